@@ -1,0 +1,199 @@
+"""Pure tensor math on the manifold of rank-r matrices (tensors in, tensors out).
+
+Conventions (the paper's): a point is ``Z = A @ B.T`` with ``A`` of shape (m, r) and ``B`` of shape (n, r);
+``M = A.T A`` and ``N = B.T B``; a tangent vector at Z is represented by a *lift* ``(dA, dB)`` with
+``dZ = dA @ B.T + A @ dB.T``.  Per-example arguments may carry leading batch dimensions; the factors
+broadcast against them.
+
+Everything here is written with orthonormal bases (QR) instead of Gram inverses: with ``A = Q_A R_A`` and
+``B = Q_B R_B``, ``M^-1 = R_A^-1 R_A^-T``, ``Pi_A = Q_A Q_A^T`` and every inverse is a triangular solve.
+That keeps the formulas accurate for ill-conditioned factors (the released intrinsic quantities do not
+depend on the factor conditioning) and costs O((m + n) r^2) per module.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Frame",
+    "frame",
+    "tangent_project",
+    "canonical_lift",
+    "lift_with_frame",
+    "tangent_norm_sq",
+    "projected_grad_norm_sq",
+    "sample_tangent_noise",
+    "noise_with_frame",
+    "retract",
+    "procrustes_align",
+    "balance",
+    "tangent_to_dense",
+]
+
+
+class Frame(NamedTuple):
+    """Thin QR factors of the two LoRA factors: ``A = QA @ RA``, ``B = QB @ RB``."""
+
+    QA: Tensor  # (.., m, r)
+    RA: Tensor  # (.., r, r) upper triangular
+    QB: Tensor  # (.., n, r)
+    RB: Tensor  # (.., r, r) upper triangular
+
+
+def frame(A: Tensor, B: Tensor) -> Frame:
+    """Orthonormal bases of col(A) and col(B) with their triangular factors."""
+    QA, RA = torch.linalg.qr(A)
+    QB, RB = torch.linalg.qr(B)
+    return Frame(QA, RA, QB, RB)
+
+
+def _right_solve(X: Tensor, R: Tensor) -> Tensor:
+    """X @ R^-1 for upper-triangular R."""
+    return torch.linalg.solve_triangular(R, X, upper=True, left=False)
+
+
+def _right_solve_t(X: Tensor, R: Tensor) -> Tensor:
+    """X @ R^-T for upper-triangular R."""
+    return torch.linalg.solve_triangular(R.mT, X, upper=False, left=False)
+
+
+def _proj(Q: Tensor, X: Tensor) -> Tensor:
+    """Q Q^T X."""
+    return Q @ (Q.mT @ X)
+
+
+def tangent_project(A: Tensor, B: Tensor, G: Tensor) -> Tensor:
+    """Dense orthogonal projection onto the tangent space at Z = A B^T (eq. ``tangent_proj``).
+
+    ``P(G) = Pi_A G + G Pi_B - Pi_A G Pi_B``. Forms m x n matrices: a reference for small sizes.
+    """
+    QA, _ = torch.linalg.qr(A)
+    QB, _ = torch.linalg.qr(B)
+    PA_G = QA @ (QA.mT @ G)
+    return PA_G + (G - PA_G) @ QB @ QB.mT
+
+
+def lift_with_frame(fr: Frame, gA: Tensor, gB: Tensor) -> tuple[Tensor, Tensor]:
+    """Canonical lift (eq. ``canonical``) given a precomputed :class:`Frame`."""
+    YA = _right_solve_t(_right_solve(gA, fr.RB), fr.RB)  # gA N^-1
+    YB = _right_solve_t(_right_solve(gB, fr.RA), fr.RA)  # gB M^-1
+    return YA - 0.5 * _proj(fr.QA, YA), YB - 0.5 * _proj(fr.QB, YB)
+
+
+def canonical_lift(A: Tensor, B: Tensor, gA: Tensor, gB: Tensor) -> tuple[Tensor, Tensor]:
+    """Canonical lift of the projected gradient (eq. ``canonical``).
+
+    From factor gradients ``gA = G B`` (.., m, r) and ``gB = G^T A`` (.., n, r) returns ``(dA, dB)`` with
+    ``dA B^T + A dB^T = P_{A,B}(G)``:
+    ``dA = gA N^-1 - 1/2 Pi_A gA N^-1``, ``dB = gB M^-1 - 1/2 Pi_B gB M^-1``.
+    """
+    return lift_with_frame(frame(A, B), gA, gB)
+
+
+def tangent_norm_sq(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor) -> Tensor:
+    """``||dA B^T + A dB^T||_F^2`` without forming it (eq. ``tangent_norm``); reduces the last two dims.
+
+    ``tr(dA^T dA N) + tr(dB^T dB M) + 2 tr((A^T dA)(B^T dB))``, evaluated in the QR frame: with
+    ``X = dA R_B^T`` and ``Y = dB R_A^T`` (so ``dZ = X Q_B^T + Q_A Y^T``) it is
+    ``||X||^2 + ||Y||^2 + 2 tr((Q_A^T X)^T (Q_B^T Y)^T)``.  Forming M and N instead loses cond(A)^2 * eps.
+    """
+    QA, RA = torch.linalg.qr(A)
+    QB, RB = torch.linalg.qr(B)
+    X = dA @ RB.mT  # dA B^T = X Q_B^T
+    Y = dB @ RA.mT  # A dB^T = Q_A Y^T
+    t3 = ((QA.mT @ X) * (QB.mT @ Y).mT).sum((-2, -1))
+    return X.square().sum((-2, -1)) + Y.square().sum((-2, -1)) + 2.0 * t3
+
+
+def projected_grad_norm_sq(fr: Frame, gA: Tensor, gB: Tensor) -> Tensor:
+    """``||P(G)||_F^2`` straight from the factor gradients ``gA = G B``, ``gB = G^T A``.
+
+    ``||P(G)||^2 = ||G Q_B||^2 + ||G^T Q_A||^2 - ||Q_A^T G Q_B||^2`` with ``G Q_B = gA R_B^-1`` and
+    ``G^T Q_A = gB R_A^-1``: r x r work per example, no lift needed (the lift is linear, so only the norms
+    need per-example work).
+    """
+    X = _right_solve(gA, fr.RB)  # G Q_B        (.., m, r)
+    Y = _right_solve(gB, fr.RA)  # G^T Q_A      (.., n, r)
+    core = fr.QA.mT @ X  # Q_A^T G Q_B  (.., r, r)
+    sq = X.square().sum((-2, -1)) + Y.square().sum((-2, -1)) - core.square().sum((-2, -1))
+    return sq.clamp_min(0.0)
+
+
+def noise_with_frame(fr: Frame, omega_A: Tensor, omega_B: Tensor) -> tuple[Tensor, Tensor]:
+    """Tangent noise lift from standard normal draws ``omega_A`` (m, r) and ``omega_B`` (n, r).
+
+    Returns ``Xi_A = (I - Pi_A) Omega_A R_B^-T`` and ``Xi_B = Omega_B R_A^-T``.  Since
+    ``R_B^-T = O N^-1/2`` for an orthogonal ``O`` (polar decomposition) and ``Omega O`` has the law of
+    ``Omega``, the pair has exactly the law of eq. ``noise_form`` (``(I - Pi_A) Omega_A N^-1/2``,
+    ``Omega_B M^-1/2``) while needing only triangular solves.  Its intrinsic value is
+    ``(I - Pi_A) Omega_A Q_B^T + Q_A Omega_B^T``, a draw of ``P(Xi)`` for dense standard normal ``Xi``.
+    """
+    perp = omega_A - _proj(fr.QA, omega_A)
+    return _right_solve_t(perp, fr.RB), _right_solve_t(omega_B, fr.RA)
+
+
+def sample_tangent_noise(
+    A: Tensor, B: Tensor, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor]:
+    """Isotropic Gaussian on the tangent space at Z = A B^T, as a lift ``(Xi_A, Xi_B)`` (eq. ``noise_form``).
+
+    Uses O((m + n) r) random numbers; ``Xi_A B^T + A Xi_B^T`` has the law of ``P_{A,B}(Xi)`` for an
+    m x n standard normal ``Xi`` and expected squared norm ``r (m + n - r)``.
+    """
+    omega_A = torch.randn(A.shape, generator=generator, dtype=A.dtype, device=A.device)
+    omega_B = torch.randn(B.shape, generator=generator, dtype=B.dtype, device=B.device)
+    return noise_with_frame(frame(A, B), omega_A, omega_B)
+
+
+def retract(
+    A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, lr: float | Tensor
+) -> tuple[Tensor, Tensor]:
+    """Best rank-r approximation of ``A B^T - lr (dA B^T + A dB^T)`` as balanced factors (eq. ``retraction``).
+
+    The matrix equals ``[A, dA] K [B, dB]^T`` with ``K = [[I, -lr I], [-lr I, 0]]``: QR of the two
+    (m, 2r) / (n, 2r) stacks, SVD of the 2r x 2r core, keep the top r.  O((m + n) r^2).  The returned
+    factors satisfy ``A_new^T A_new = B_new^T B_new = diag(s)``.  Batched over leading dimensions.
+    """
+    r = A.shape[-1]
+    Qu, Ru = torch.linalg.qr(torch.cat([A, dA], dim=-1))
+    Qv, Rv = torch.linalg.qr(torch.cat([B, dB], dim=-1))
+    lr_t = torch.as_tensor(lr, dtype=A.dtype, device=A.device)
+    # core = Ru K Rv^T with K = [[I, -lr I], [-lr I, 0]], written blockwise to skip the 2r x 2r product.
+    Ru1, Ru2 = Ru[..., :r], Ru[..., r:]
+    Rv1, Rv2 = Rv[..., :r], Rv[..., r:]
+    core = Ru1 @ (Rv1 - lr_t * Rv2).mT - lr_t * (Ru2 @ Rv1.mT)
+    Uc, S, Vch = torch.linalg.svd(core)
+    root = S[..., :r].clamp_min(0.0).sqrt().unsqueeze(-2)
+    A_new = (Qu @ Uc[..., :r]) * root
+    B_new = (Qv @ Vch[..., :r, :].mT) * root
+    return A_new, B_new
+
+
+def procrustes_align(
+    A_new: Tensor, B_new: Tensor, A_ref: Tensor, B_ref: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Rotate ``(A_new, B_new)`` by the orthogonal ``Q`` closest to the reference factors.
+
+    ``Q = argmin ||A_new Q - A_ref||^2 + ||B_new Q - B_ref||^2`` over orthogonal Q (a gauge change:
+    Z, the projectors and the balance are unchanged).
+    """
+    U, _, Vh = torch.linalg.svd(A_new.mT @ A_ref + B_new.mT @ B_ref)
+    Q = U @ Vh
+    return A_new @ Q, B_new @ Q
+
+
+def balance(A: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
+    """Balanced factors of the same Z (``A^T A = B^T B``), unique up to an orthogonal rotation."""
+    fr = frame(A, B)
+    U, S, Vh = torch.linalg.svd(fr.RA @ fr.RB.mT)
+    root = S.sqrt().unsqueeze(-2)
+    return (fr.QA @ U) * root, (fr.QB @ Vh.mT) * root
+
+
+def tangent_to_dense(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor) -> Tensor:
+    """``dA B^T + A dB^T`` as a dense matrix (reference use, small sizes)."""
+    return dA @ B.mT + A @ dB.mT

@@ -1,0 +1,213 @@
+"""PEFT LoRA pairs as points on the rank-r manifold.
+
+For one PEFT ``lora.Linear`` module with frozen ``W0`` (m x n), ``lora_A.weight`` ``W_A`` (r x n),
+``lora_B.weight`` ``W_B`` (m x r) and ``scaling`` s, the intrinsic parameter is the weight delta
+``Z = s W_B W_A``.  We use the symmetric split ``A = sqrt(s) W_B`` (m x r), ``B = sqrt(s) W_A^T`` (n x r),
+so ``Z = A B^T`` and the factor gradients are ``gA = dL/dW_B / sqrt(s)``, ``gB = (dL/dW_A)^T / sqrt(s)``.
+
+PEFT initialises ``W_B = 0`` (Z = 0, off the rank-r manifold).  :func:`move_to_rank_r_start` picks a rank-r
+point ``Z0`` with balanced factors and subtracts it from the frozen base weight, so the model computes the same
+function as before while the trainable point sits on the manifold.  :class:`RankRStart` records ``Z0`` so the
+trained adapter can be exported for the *original* base weights (``Z - Z0`` has rank <= 2r).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from . import geometry
+
+__all__ = [
+    "LoraPair",
+    "LoraSetupError",
+    "find_lora_pairs",
+    "get_factors",
+    "set_factors",
+    "RankRStart",
+    "move_to_rank_r_start",
+]
+
+
+class LoraSetupError(ValueError):
+    """The model's LoRA configuration cannot be trained by prismdp as it is."""
+
+
+@dataclass(frozen=True)
+class LoraPair:
+    """One LoRA module: where it lives and how its factors map to ``Z = A B^T``."""
+
+    name: str
+    layer: nn.Module  # the peft lora.Linear wrapper
+    adapter: str
+
+    @property
+    def lora_A(self) -> nn.Linear:  # W_A: (r, n)
+        return self.layer.lora_A[self.adapter]
+
+    @property
+    def lora_B(self) -> nn.Linear:  # W_B: (m, r)
+        return self.layer.lora_B[self.adapter]
+
+    @property
+    def scaling(self) -> float:
+        return float(self.layer.scaling[self.adapter])
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(m, n, r)."""
+        r, n = self.lora_A.weight.shape
+        return self.lora_B.weight.shape[0], n, r
+
+    @property
+    def params(self) -> tuple[nn.Parameter, nn.Parameter]:
+        return self.lora_A.weight, self.lora_B.weight
+
+
+def _lora_linear_cls():
+    from peft.tuners.lora.layer import Linear
+
+    return Linear
+
+
+def find_lora_pairs(model: nn.Module, adapter: str = "default") -> list[LoraPair]:
+    """All trainable PEFT LoRA ``Linear`` pairs of ``adapter``; validates what prismdp supports.
+
+    Raises :class:`LoraSetupError` (naming the module and the fix) for LoRA layers of other types
+    (embedding, conv, ...), DoRA / other variants, LoRA biases, r >= min(m, n), or no pair at all.
+    """
+    from peft.tuners.lora.layer import LoraLayer
+
+    linear_cls = _lora_linear_cls()
+    pairs: list[LoraPair] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer) or adapter not in getattr(module, "r", {}):
+            continue
+        if not isinstance(module, linear_cls):
+            raise LoraSetupError(
+                f"LoRA module {name!r} is a {type(module).__name__}; prismdp supports LoRA on Linear layers only. "
+                "Fix: restrict target_modules to linear projections (e.g. q_proj, v_proj)."
+            )
+        if adapter in getattr(module, "lora_variant", {}):
+            raise LoraSetupError(
+                f"LoRA module {name!r} uses a LoRA variant (e.g. DoRA); prismdp supports plain LoRA only. "
+                "Fix: create the LoraConfig with use_dora=False."
+            )
+        pair = LoraPair(name, module, adapter)
+        if pair.lora_A.bias is not None or pair.lora_B.bias is not None:
+            raise LoraSetupError(
+                f"LoRA module {name!r} has a LoRA bias; the rank-r manifold has no bias term. "
+                "Fix: create the LoraConfig with lora_bias=False."
+            )
+        wa, wb = pair.params
+        if not (wa.requires_grad and wb.requires_grad):
+            continue
+        m, n, r = pair.shape
+        if r >= min(m, n):
+            raise LoraSetupError(
+                f"LoRA module {name!r} has rank r={r} >= min(out={m}, in={n}): the fixed-rank manifold is "
+                "degenerate there. Fix: choose r < min(in_features, out_features) or exclude this module."
+            )
+        pairs.append(pair)
+    if not pairs:
+        raise LoraSetupError(
+            f"no trainable LoRA Linear pairs for adapter {adapter!r} were found in the model. Fix: wrap the "
+            "model with peft.get_peft_model(model, LoraConfig(target_modules=[...])) before building the optimizer."
+        )
+    return pairs
+
+
+@torch.no_grad()
+def get_factors(pair: LoraPair, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """``(A, B)`` = ``(sqrt(s) W_B, sqrt(s) W_A^T)`` with shapes (m, r), (n, r)."""
+    root = math.sqrt(pair.scaling)
+    wa, wb = pair.params
+    dtype = dtype or wb.dtype
+    return wb.to(dtype) * root, wa.T.to(dtype) * root
+
+
+@torch.no_grad()
+def set_factors(pair: LoraPair, A: Tensor, B: Tensor) -> None:
+    """Write ``(A, B)`` back into ``(lora_B.weight, lora_A.weight)``."""
+    inv_root = 1.0 / math.sqrt(pair.scaling)
+    wa, wb = pair.params
+    wb.copy_(A * inv_root)
+    wa.copy_(B.T * inv_root)
+
+
+def _base_weight(pair: LoraPair) -> tuple[Tensor, bool]:
+    base = pair.layer.get_base_layer()
+    return base.weight, bool(getattr(pair.layer, "fan_in_fan_out", False))
+
+
+def _top_svd(W: Tensor, r: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Top-r singular triplets (U (m, r), S (r,), V (n, r)); randomized for large matrices."""
+    if min(W.shape) <= 1024:
+        U, S, Vh = torch.linalg.svd(W, full_matrices=False)
+        return U[:, :r], S[:r], Vh[:r].T
+    U, S, V = torch.svd_lowrank(W, q=r + 10, niter=4)
+    return U[:, :r], S[:r], V[:, :r]
+
+
+@dataclass
+class RankRStart:
+    """The start point ``Z0 = A0 B0^T`` of every pair, moved out of the frozen base weights."""
+
+    factors: list[tuple[Tensor, Tensor]]  # per pair: (A0 (m, r), B0 (n, r)), float32
+
+    def state_dict(self) -> dict[str, Tensor]:
+        out = {}
+        for i, (a0, b0) in enumerate(self.factors):
+            out[f"{i}.A0"], out[f"{i}.B0"] = a0, b0
+        return out
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Tensor]) -> RankRStart:
+        n = len(state) // 2
+        return cls([(state[f"{i}.A0"], state[f"{i}.B0"]) for i in range(n)])
+
+
+@torch.no_grad()
+def move_to_rank_r_start(
+    pairs: list[LoraPair],
+    init: str = "spectral",
+    init_scale: float = 1e-3,
+    generator: torch.Generator | None = None,
+) -> RankRStart:
+    """Put every pair on the rank-r manifold without changing the model's function.
+
+    ``init="spectral"`` takes ``Z0`` = the top-r SVD part of ``W0`` (PiSSA-style, as the paper's code);
+    ``init="random"`` takes a random rank-r ``Z0`` with all singular values ``init_scale * ||W0||_2``.
+    In both cases the factors are balanced (``A0^T A0 = B0^T B0``) and ``W0 <- W0 - Z0``, so
+    ``W0 + Z`` is unchanged at step 0 (up to float rounding of the subtraction).
+    """
+    if init not in ("spectral", "random"):
+        raise ValueError(f"init must be 'spectral' or 'random', got {init!r}")
+    factors = []
+    for pair in pairs:
+        m, n, r = pair.shape
+        weight, transposed = _base_weight(pair)
+        W0 = (weight.T if transposed else weight).to(torch.float64)
+        U, S, V = _top_svd(W0, r)
+        if init == "spectral":
+            A0, B0 = U * S.sqrt(), V * S.sqrt()
+        else:
+            qa, _ = torch.linalg.qr(torch.randn(m, r, generator=generator, dtype=torch.float64))
+            qb, _ = torch.linalg.qr(torch.randn(n, r, generator=generator, dtype=torch.float64))
+            root = math.sqrt(init_scale * float(S[0]))
+            A0, B0 = qa * root, qb * root
+        if bool((pair.lora_B.weight != 0).any()) and bool((pair.lora_A.weight != 0).any()):
+            raise LoraSetupError(
+                f"LoRA module {pair.name!r} already holds a non-zero update; prismdp starts from PEFT's zero "
+                "initialisation. Fix: create the adapter with init_lora_weights=True (the default), or merge the "
+                "existing adapter into the base model first (model.merge_and_unload())."
+            )
+        new_W0 = W0 - A0 @ B0.T
+        weight.copy_((new_W0.T if transposed else new_W0).to(weight.dtype))
+        A0, B0 = geometry.balance(A0, B0)
+        set_factors(pair, A0.to(pair.lora_B.weight.dtype), B0.to(pair.lora_A.weight.dtype))
+        factors.append((A0.float(), (B0.float())))
+    return RankRStart(factors)

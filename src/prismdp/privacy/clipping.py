@@ -1,0 +1,93 @@
+"""Per-example clipping and Gaussian noise, independent of any geometry.
+
+A DP optimizer hands :class:`ClippedSum` the squared per-example norms of one micro-batch (summed over every
+trained tensor, in the optimizer's own geometry) and gets back the clipping coefficients
+``alpha_i = min(1, C / s_i)``.  A non-finite norm is not an error (a crash would reveal that example): its
+coefficient is 0, so the example contributes nothing, and it is counted.  Statistics stay on the device as
+tensors; nothing here synchronises with the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["DPConfig", "ClippedSum", "gaussian_like"]
+
+
+@dataclass(frozen=True)
+class DPConfig:
+    """The Gaussian mechanism's public constants.
+
+    ``expected_batch_size`` is ``q N`` under Poisson sampling: the noisy sum is divided by it, never by the
+    realised batch size (which is private).
+    """
+
+    noise_multiplier: float
+    max_grad_norm: float
+    expected_batch_size: float
+
+    def __post_init__(self):
+        if not self.noise_multiplier >= 0:
+            raise ValueError(f"noise_multiplier must be >= 0, got {self.noise_multiplier}")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+        if not self.expected_batch_size > 0:
+            raise ValueError(
+                f"expected_batch_size must be > 0 (sample_rate * dataset_size), got {self.expected_batch_size}"
+            )
+
+    @property
+    def noise_std(self) -> float:
+        """Standard deviation of the noise on the *summed* clipped gradients: sigma C."""
+        return self.noise_multiplier * self.max_grad_norm
+
+
+class ClippedSum:
+    """Clipping coefficients and running statistics of one logical batch."""
+
+    def __init__(self, max_grad_norm: float):
+        self.max_grad_norm = float(max_grad_norm)
+        self.reset()
+
+    def reset(self) -> None:
+        self.examples = torch.zeros((), dtype=torch.float64)
+        self.clipped = torch.zeros((), dtype=torch.float64)
+        self.coef_sum = torch.zeros((), dtype=torch.float64)
+        self.nonfinite = torch.zeros((), dtype=torch.float64)
+        self.norm_sum = torch.zeros((), dtype=torch.float64)
+
+    def coefficients(self, sq_norms: Tensor) -> Tensor:
+        """(b,) squared global norms -> (b,) coefficients ``min(1, C / s_i)``, 0 where not finite."""
+        finite = torch.isfinite(sq_norms)
+        norms = torch.where(finite, sq_norms, torch.zeros_like(sq_norms)).clamp_min(0).sqrt()
+        coef = (self.max_grad_norm / (norms + 1e-12)).clamp(max=1.0)
+        coef = torch.where(finite, coef, torch.zeros_like(coef))
+        dev = self.examples.device
+        if dev != coef.device:
+            for name in ("examples", "clipped", "coef_sum", "nonfinite", "norm_sum"):
+                setattr(self, name, getattr(self, name).to(coef.device))
+        self.examples += coef.numel()
+        self.clipped += ((coef < 1.0) & finite).sum()
+        self.coef_sum += coef.sum(dtype=torch.float64)
+        self.nonfinite += (~finite).sum()
+        self.norm_sum += norms.sum(dtype=torch.float64)
+        return coef
+
+    def stats(self) -> dict[str, float]:
+        """Host-side summary (synchronises; call once per logical step)."""
+        n = float(self.examples)
+        return {
+            "batch_size": n,
+            "clip_fraction": float(self.clipped) / n if n else 0.0,
+            "clip_coef_mean": float(self.coef_sum) / n if n else 1.0,
+            "grad_norm_mean": float(self.norm_sum) / n if n else 0.0,
+            "nonfinite": float(self.nonfinite),
+        }
+
+
+def gaussian_like(t: Tensor, std: float, generator: torch.Generator | None) -> Tensor:
+    """Independent N(0, std^2) entries shaped like ``t``."""
+    return torch.randn(t.shape, generator=generator, dtype=t.dtype, device=t.device) * std

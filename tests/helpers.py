@@ -1,0 +1,66 @@
+"""Tiny random-init models and batches shared by the tests (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
+
+
+def tiny_bert_cls(num_labels: int = 2, r: int = 4, targets=("query", "value"), dropout: float = 0.0, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48,
+        max_position_embeddings=64, num_labels=num_labels, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    base = BertForSequenceClassification(cfg).eval()
+    lcfg = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=dropout, target_modules=list(targets), task_type="SEQ_CLS")
+    return get_peft_model(base, lcfg)
+
+
+def tiny_llama(r: int = 4, targets=("q_proj", "v_proj", "up_proj", "down_proj"), seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+    )
+    base = LlamaForCausalLM(cfg).eval()
+    lcfg = LoraConfig(r=r, lora_alpha=r, lora_dropout=0.0, target_modules=list(targets), task_type="CAUSAL_LM")
+    return get_peft_model(base, lcfg)
+
+
+def padded_batch(lengths, vocab=100, seed=0, pad_id=0):
+    """Right-padded random token batch with its attention mask."""
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    ids = torch.full((len(lengths), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(lengths), T), dtype=torch.long)
+    for i, L in enumerate(lengths):
+        ids[i, :L] = torch.randint(1, vocab, (L,), generator=g)
+        mask[i, :L] = 1
+    return ids, mask
+
+
+class TinyNet(torch.nn.Module):
+    """x (b, T, n) -> mean over T of head(proj2(act(proj(x)))): two LoRA-able linears and a dense head."""
+
+    def __init__(self, n=10, m=12, k=3):
+        super().__init__()
+        self.proj = torch.nn.Linear(n, m)
+        self.proj2 = torch.nn.Linear(m, m)
+        self.head = torch.nn.Linear(m, k)
+
+    def forward(self, x):
+        return self.head(self.proj2(torch.tanh(self.proj(x)))).mean(1)
+
+
+def tiny_net(r=2, seed=0, head=True, dtype=torch.float32):
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=["proj", "proj2"],
+                     modules_to_save=["head"] if head else None)
+    return get_peft_model(TinyNet().to(dtype), cfg)
+
+
+def net_batch(b, seed=0, T=5, n=10, k=3, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, T, n, generator=g, dtype=dtype), torch.randint(0, k, (b,), generator=g)

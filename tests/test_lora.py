@@ -1,0 +1,116 @@
+"""LoRA pairs as rank-r points: discovery, validation, the compensated start."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import BertConfig, BertForSequenceClassification
+
+from helpers import padded_batch, tiny_bert_cls, tiny_llama
+from prismdp import geometry
+from prismdp.lora import LoraSetupError, find_lora_pairs, get_factors, move_to_rank_r_start
+from prismdp.optim import PRISM
+
+
+def test_pairs_found_with_shapes_and_scaling():
+    model = tiny_bert_cls(r=4, targets=("query", "value", "dense"))
+    pairs = find_lora_pairs(model)
+    assert len(pairs) == 2 * (2 + 3) + 1  # per block: query, value, 3 "dense" layers; plus the pooler
+    for p in pairs:
+        m, n, r = p.shape
+        assert p.lora_B.weight.shape == (m, r) and p.lora_A.weight.shape == (r, n)
+        assert p.scaling == pytest.approx(2.0)
+
+
+def test_intrinsic_parameter_includes_scaling():
+    model = tiny_bert_cls()
+    pair = find_lora_pairs(model)[0]
+    move_to_rank_r_start(find_lora_pairs(model))
+    A, B = get_factors(pair, torch.float64)
+    delta = pair.layer.get_delta_weight("default").double()  # PEFT's own scaling * W_B W_A
+    torch.testing.assert_close(A @ B.T, delta, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("init", ["spectral", "random"])
+def test_rank_r_start_keeps_outputs_and_balances(init):
+    model = tiny_bert_cls(seed=3)
+    ids, mask = padded_batch([7, 4, 9])
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).logits
+    pairs = find_lora_pairs(model)
+    start = move_to_rank_r_start(pairs, init=init, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        after = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
+    for pair, (A0, B0) in zip(pairs, start.factors):
+        A, B = get_factors(pair, torch.float64)
+        torch.testing.assert_close(A.T @ A, B.T @ B, rtol=1e-5, atol=1e-6)
+        assert torch.linalg.matrix_rank(A @ B.T) == pair.shape[2]
+        torch.testing.assert_close((A @ B.T).float(), A0 @ B0.T, rtol=1e-5, atol=1e-6)
+
+
+def test_spectral_start_is_top_r_part_of_base_weight():
+    model = tiny_bert_cls(seed=1)
+    pair = find_lora_pairs(model)[0]
+    W0 = pair.layer.get_base_layer().weight.detach().double().clone()
+    move_to_rank_r_start([pair], init="spectral")
+    A, B = get_factors(pair, torch.float64)
+    U, S, Vh = torch.linalg.svd(W0)
+    r = pair.shape[2]
+    torch.testing.assert_close(A @ B.T, U[:, :r] @ torch.diag(S[:r]) @ Vh[:r], rtol=1e-5, atol=1e-5)
+
+
+def test_prism_refuses_peft_zero_init():
+    model = tiny_bert_cls()
+    with pytest.raises(LoraSetupError, match="move_to_rank_r_start"):
+        PRISM(find_lora_pairs(model), lr=1e-3)
+
+
+def test_no_lora_pairs_is_a_clear_error():
+    cfg = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)
+    with pytest.raises(LoraSetupError, match="get_peft_model"):
+        find_lora_pairs(BertForSequenceClassification(cfg))
+
+
+def test_rank_too_large_is_a_clear_error():
+    with pytest.raises(LoraSetupError, match="r=32 >= min"):
+        find_lora_pairs(tiny_bert_cls(r=32))
+
+
+def test_unsupported_lora_layer_type_is_a_clear_error():
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)
+    model = get_peft_model(BertForSequenceClassification(cfg), LoraConfig(r=2, target_modules=["word_embeddings", "query"]))
+    with pytest.raises(LoraSetupError, match="Linear layers only"):
+        find_lora_pairs(model)
+
+
+def test_dora_is_a_clear_error():
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)
+    model = get_peft_model(BertForSequenceClassification(cfg), LoraConfig(r=2, target_modules=["query"], use_dora=True))
+    with pytest.raises(LoraSetupError, match="use_dora=False"):
+        find_lora_pairs(model)
+
+
+def test_causal_lm_pairs_and_start():
+    model = tiny_llama()
+    ids, mask = padded_batch([6, 3], vocab=120)
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).logits
+    pairs = find_lora_pairs(model)
+    assert {p.name.split(".")[-1] for p in pairs} == {"q_proj", "v_proj", "up_proj", "down_proj"}
+    move_to_rank_r_start(pairs)
+    with torch.no_grad():
+        after = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-4)
+
+
+def test_balance_is_gauge_free():
+    g = torch.Generator().manual_seed(0)
+    A, B = torch.randn(9, 3, generator=g, dtype=torch.float64), torch.randn(7, 3, generator=g, dtype=torch.float64)
+    R = torch.randn(3, 3, generator=g, dtype=torch.float64) + 3 * torch.eye(3, dtype=torch.float64)
+    A1, B1 = geometry.balance(A, B)
+    A2, B2 = geometry.balance(A @ R, B @ torch.linalg.inv(R).T)
+    # balanced factors of the same Z agree up to an orthogonal rotation: compare the invariants
+    torch.testing.assert_close(A1 @ B1.T, A2 @ B2.T)
+    torch.testing.assert_close(A1 @ A1.T, A2 @ A2.T)

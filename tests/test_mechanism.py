@@ -1,0 +1,294 @@
+"""Privacy-critical behaviour of the PRISM and DP-AdamW mechanisms (the classic DP-SGD bugs)."""
+
+import math
+
+import pytest
+import torch
+
+from helpers import net_batch, tiny_net
+from prismdp import geometry
+from prismdp.grad_sample import GradSampler
+from prismdp.lora import find_lora_pairs, get_factors, move_to_rank_r_start, set_factors
+from prismdp.losses import classification_losses
+from prismdp.optim import PRISM, dp_adamw
+from prismdp.privacy.clipping import DPConfig
+
+C = 0.5
+
+
+def setup_prism(sigma=0.0, b=4.0, seed=0, dtype=torch.float32, noise_seed=1, head=True, gauge_seed=None, **kw):
+    model = tiny_net(seed=seed, dtype=dtype, head=head)
+    pairs = find_lora_pairs(model)
+    move_to_rank_r_start(pairs)
+    if gauge_seed is not None:
+        _gauge_transform(pairs, gauge_seed)
+    sampler = GradSampler(model, pairs)
+    opt = PRISM(pairs, lr=0.05, dense_params=sampler.dense_params, dp=DPConfig(sigma, C, b),
+                generator=torch.Generator().manual_seed(noise_seed), **kw)
+    return model, pairs, sampler, opt
+
+
+def per_example(model, sampler, x, y):
+    with sampler.record() as rec:
+        classification_losses(model(x), y).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return sampler.grads(rec)
+
+
+def release_norm(opt, release):
+    """Global intrinsic norm of a release (all modules + dense), times the expected batch size: the sum."""
+    lora, dense = release
+    sq = sum(geometry.tangent_norm_sq(*opt._factors[k], dA, dB) for k, (dA, dB) in enumerate(lora))
+    sq = sq + sum(d.square().sum() for d in dense)
+    return float(sq.sqrt()) * opt.dp.expected_batch_size
+
+
+def clean_release(opt, grads_list):
+    opt._acc = None
+    opt._clip.reset()
+    for g in grads_list:
+        opt.accumulate(g)
+    return opt.private_release()
+
+
+def test_each_clipped_example_has_norm_at_most_C():
+    model, pairs, sampler, opt = setup_prism()
+    x, y = net_batch(6, seed=3)
+    x[2] *= 1e4  # an adversarial example with a huge gradient
+    norms = []
+    for i in range(6):
+        g = per_example(model, sampler, x[i : i + 1], y[i : i + 1])
+        norms.append(release_norm(opt, clean_release(opt, [g])))
+    assert max(norms) <= C * (1 + 1e-5)
+    assert norms[2] == pytest.approx(C, rel=1e-4)  # the adversarial one is clipped exactly to C
+
+
+@pytest.mark.parametrize("method", ["prism", "dp-adamw"])
+def test_add_or_remove_one_example_moves_the_sum_by_at_most_C(method):
+    x, y = net_batch(8, seed=4)
+    x[5] *= 1e5  # adversarial
+    for drop in range(8):
+        keep = [i for i in range(8) if i != drop]
+        if method == "prism":
+            model, pairs, sampler, opt = setup_prism()
+            full = clean_release(opt, [per_example(model, sampler, x, y)])
+            part = clean_release(opt, [per_example(model, sampler, x[keep], y[keep])])
+            diff = ([(a - c, b_ - d) for (a, b_), (c, d) in zip(full[0], part[0])],
+                    [u - v for u, v in zip(full[1], part[1])])
+            dist = release_norm(opt, diff)
+        else:
+            model = tiny_net()
+            pairs = find_lora_pairs(model)
+            sampler = GradSampler(model, pairs)
+            opt = dp_adamw(pairs, sampler.dense_params, dp=DPConfig(0.0, C, 4.0))
+            sums = []
+            for idx in (list(range(8)), keep):
+                opt._sums = None
+                opt.accumulate(per_example(model, sampler, x[idx], y[idx]))
+                sums.append(opt._sums)
+            dist = math.sqrt(sum(float((a - b_).square().sum()) for a, b_ in zip(*sums)))
+        assert dist <= C * (1 + 1e-5), (drop, dist)
+
+
+def test_released_noise_has_std_sigma_C_over_expected_batch():
+    sigma, b = 2.0, 8.0
+    model, pairs, sampler, opt = setup_prism(sigma=sigma, b=b)
+    opt._ensure_frames()
+    tau = sigma * C / b
+    draws = 400
+    energy = {k: [] for k in range(len(pairs))}
+    dense_vals = []
+    for _ in range(draws):
+        lora, dense = opt.private_release()  # no example accumulated: zero gradient, noise only
+        for k, (dA, dB) in enumerate(lora):
+            energy[k].append(float(geometry.tangent_norm_sq(*opt._factors[k], dA, dB)))
+        dense_vals.append(torch.cat([d.flatten() for d in dense]))
+    for k, pair in enumerate(pairs):
+        m, n, r = pair.shape
+        e = torch.tensor(energy[k]) / tau**2  # chi-square with r (m + n - r) degrees of freedom
+        se = e.std() / math.sqrt(draws)
+        assert abs(e.mean() - r * (m + n - r)) < 5 * se
+    d = torch.stack(dense_vals)
+    assert d.std().item() == pytest.approx(tau, rel=0.05)
+    assert abs(d.mean().item()) < 5 * tau / math.sqrt(d.numel())
+
+
+def test_micro_batches_equal_one_large_batch():
+    x, y = net_batch(8, seed=5)
+    x[1] *= 50
+    results = []
+    for chunks in ([8], [2, 2, 2, 2], [3, 5]):
+        model, pairs, sampler, opt = setup_prism(sigma=1.0, noise_seed=7)
+        start = 0
+        for c in chunks:
+            opt.accumulate(per_example(model, sampler, x[start : start + c], y[start : start + c]))
+            start += c
+        opt.step()
+        results.append([get_factors(p, torch.float32) for p in pairs] + [q.detach().clone() for q in sampler.dense_params])
+        assert opt.last_stats["batch_size"] == 8
+    for other in results[1:]:
+        for u, v in zip(results[0], other):
+            u, v = (u, v) if isinstance(u, torch.Tensor) else (u[0] @ u[1].T, v[0] @ v[1].T)
+            torch.testing.assert_close(u, v, rtol=1e-4, atol=1e-6)
+
+
+def test_empty_poisson_batch_steps_with_noise_only():
+    model, pairs, sampler, opt = setup_prism(sigma=1.0)
+    A0, B0 = get_factors(pairs[0], torch.float64)
+    opt.step()  # nothing accumulated
+    A1, B1 = get_factors(pairs[0], torch.float64)
+    assert opt.last_stats["batch_size"] == 0
+    assert torch.isfinite(A1).all() and not torch.allclose(A0 @ B0.T, A1 @ B1.T)
+
+
+def test_seeded_runs_are_reproducible_and_seeds_matter():
+    x, y = net_batch(4, seed=6)
+    outs = []
+    for noise_seed in (3, 3, 4):
+        model, pairs, sampler, opt = setup_prism(sigma=1.0, noise_seed=noise_seed)
+        for _ in range(3):
+            opt.accumulate(per_example(model, sampler, x, y))
+            opt.step()
+        outs.append(torch.cat([p.detach().flatten() for pair in pairs for p in pair.params]))
+    assert torch.equal(outs[0], outs[1])
+    assert not torch.allclose(outs[0], outs[2])
+
+
+def test_nonfinite_example_contributes_zero_and_is_counted():
+    model, pairs, sampler, opt = setup_prism()
+    x, y = net_batch(5, seed=8)
+    bad = x.clone()
+    bad[3, 0, 0] = float("nan")
+    ref = clean_release(opt, [per_example(model, sampler, x[[0, 1, 2, 4]], y[[0, 1, 2, 4]])])
+    got = clean_release(opt, [per_example(model, sampler, bad, y)])
+    assert opt._clip.stats()["nonfinite"] == 1
+    for (a, b_), (c, d) in zip(ref[0], got[0]):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(b_, d, rtol=1e-5, atol=1e-7)
+
+
+class _Refusing:
+    def __init__(self):
+        self.recorded = 0
+
+    def check_step(self, n=1):
+        raise RuntimeError("budget exhausted")
+
+    def record_step(self, n=1):
+        self.recorded += n
+
+
+def test_budget_refusal_happens_before_noise_or_update():
+    model, pairs, sampler, opt = setup_prism(sigma=1.0)
+    opt.budget = _Refusing()
+    x, y = net_batch(4)
+    opt.accumulate(per_example(model, sampler, x, y))
+    before = [p.detach().clone() for pair in pairs for p in pair.params]
+    gen_state = opt.generator.get_state()
+    with pytest.raises(RuntimeError, match="budget exhausted"):
+        opt.step()
+    assert torch.equal(opt.generator.get_state(), gen_state)  # no noise drawn
+    assert all(torch.equal(a, p) for a, p in zip(before, [p for pair in pairs for p in pair.params]))
+    assert opt.budget.recorded == 0
+
+
+def _gauge_transform(pairs, seed):
+    g = torch.Generator().manual_seed(seed)
+    for pair in pairs:
+        A, B = get_factors(pair, torch.float64)
+        r = A.shape[1]
+        R = torch.randn(r, r, generator=g, dtype=torch.float64) + 2 * torch.eye(r, dtype=torch.float64)
+        set_factors(pair, A @ R, B @ torch.linalg.inv(R).T)
+
+
+def test_gauge_invariant_trajectory_without_noise():
+    """From (A, B) and (A R, B R^-T) with clipping active, 20 steps give the same Z (float64)."""
+    x, y = net_batch(6, seed=9, dtype=torch.float64)
+    trajectories = []
+    for gauge in (False, True):
+        model = tiny_net(dtype=torch.float64, head=False)
+        pairs = find_lora_pairs(model)
+        move_to_rank_r_start(pairs)
+        if gauge:
+            _gauge_transform(pairs, seed=11)
+        sampler = GradSampler(model, pairs)
+        opt = PRISM(pairs, lr=0.05, dp=DPConfig(0.0, 0.05, 6.0))
+        traj = []
+        for _ in range(20):
+            opt.accumulate(per_example(model, sampler, x, y))
+            opt.step()
+            traj.append([pair.layer.get_delta_weight("default").clone() for pair in pairs])
+        assert opt.last_stats["clip_fraction"] > 0  # clipping is active
+        trajectories.append(traj)
+    moved = (trajectories[0][-1][0] - trajectories[0][0][0]).norm()
+    assert moved > 1e-3
+    for za, zb in zip(*trajectories):
+        for u, v in zip(za, zb):
+            torch.testing.assert_close(u, v, rtol=1e-9, atol=1e-11)
+
+
+def test_gauge_invariant_law_with_noise():
+    """The law of ||Z_1 - Z_0|| after one noisy step does not depend on the gauge (two-sample test)."""
+    x, y = net_batch(4, seed=10)
+    samples = {False: [], True: []}
+    for gauge in (False, True):
+        model, pairs, sampler, opt = setup_prism(sigma=1.0, head=False, gauge_seed=12 if gauge else None)
+        z0 = [pair.layer.get_delta_weight("default").detach().clone() for pair in pairs]
+        state = [get_factors(p, torch.float32) for p in pairs]
+        g = per_example(model, sampler, x, y)
+        for seed in range(300):
+            for p, (A, B) in zip(pairs, state):
+                set_factors(p, A, B)
+            opt.state.clear()
+            opt.generator.manual_seed(seed)
+            opt.accumulate(g)
+            opt.step()
+            dz = sum(float((p.layer.get_delta_weight("default").detach() - z).square().sum()) for p, z in zip(pairs, z0))
+            samples[gauge].append(math.sqrt(dz))
+    a, b_ = torch.tensor(samples[False]), torch.tensor(samples[True])
+    se = math.sqrt(a.var() / len(a) + b_.var() / len(b_))
+    assert abs(a.mean() - b_.mean()) < 5 * se
+    assert a.std().item() == pytest.approx(b_.std().item(), rel=0.25)
+
+
+def test_dp_adamw_matches_opacus_clipping_and_noise():
+    from opacus.grad_sample import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    x, y = net_batch(6, seed=13)
+    x[0] *= 30
+    b = 5.0
+
+    def ours(sigma, seed):
+        model = tiny_net(seed=1)
+        pairs = find_lora_pairs(model)
+        sampler = GradSampler(model, pairs)
+        opt = dp_adamw(pairs, sampler.dense_params, lr=1e-2, dp=DPConfig(sigma, C, b),
+                       generator=torch.Generator().manual_seed(seed))
+        opt.accumulate(per_example(model, sampler, x, y))
+        opt.step()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}, model
+
+    def opacus(sigma):
+        model = tiny_net(seed=1)
+        gsm = GradSampleModule(model, loss_reduction="mean")
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = DPOptimizer(torch.optim.AdamW(params, lr=1e-2), noise_multiplier=sigma, max_grad_norm=C,
+                          expected_batch_size=int(b), loss_reduction="mean")
+        classification_losses(gsm(x), y).mean().backward()
+        opt.step()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}, model
+
+    g_ours, m_ours = ours(0.0, 0)
+    g_opacus, m_opacus = opacus(0.0)
+    assert g_ours.keys() == g_opacus.keys()
+    for n in g_ours:
+        torch.testing.assert_close(g_ours[n], g_opacus[n], rtol=1e-4, atol=1e-7)
+    # (parameters are not compared: Adam's first step g / (|g| + eps) amplifies float noise in tiny coordinates)
+    # same noise law: (noisy - clean) gradients have per-coordinate std sigma C / b in both
+    sigma = 3.0
+    noise_ours = torch.cat([(ours(sigma, s)[0][n] - g_ours[n]).flatten() for s in range(20) for n in g_ours])
+    torch.manual_seed(0)
+    noise_opacus = torch.cat([(opacus(sigma)[0][n] - g_opacus[n]).flatten() for _ in range(20) for n in g_ours])
+    assert noise_ours.std().item() == pytest.approx(sigma * C / b, rel=0.05)
+    assert noise_opacus.std().item() == pytest.approx(sigma * C / b, rel=0.05)
