@@ -1,0 +1,13 @@
+"""Privacy plumbing: Poisson sampling, accounting, sigma calibration, budget tracking. Knows nothing of LoRA."""
+
+from .accounting import BudgetExhaustedError, PrivacyBudget, calibrate_sigma, epsilon
+from .sampling import PoissonSampler, split_micro_batches
+
+__all__ = [
+    "BudgetExhaustedError",
+    "PoissonSampler",
+    "PrivacyBudget",
+    "calibrate_sigma",
+    "epsilon",
+    "split_micro_batches",
+]

@@ -1,0 +1,290 @@
+"""Privacy accounting for T identical Poisson-subsampled Gaussian steps, via Opacus' accountants.
+
+Every DP step of the library is the same mechanism: noise multiplier ``sigma``, Poisson rate ``q``, one step of
+a subsampled Gaussian with sensitivity C. A run of ``steps`` such steps is written into an Opacus accountant's
+history as the single entry ``(sigma, q, steps)``, so composition costs one accountant call, not ``steps``.
+
+- :func:`epsilon` -- epsilon spent by ``steps`` steps at ``delta`` (memoised: PRV costs ~0.3 s per call).
+- :func:`calibrate_sigma` -- the smallest sigma whose epsilon stays at or below a target, for the exact ``steps``.
+- :class:`PrivacyBudget` -- budget tracking during training; refuses a step *before* it would overspend.
+
+Opacus' PRV accountant returns an upper bound: its estimate plus ``eps_error`` (0.01 by default, kept here), so
+PRV epsilons never fall below ~0.01. RDP uses Opacus' default orders (up to 63), which floors epsilon near 0.1 at
+delta = 1e-5 for very large sigma.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from functools import lru_cache
+from typing import Any
+
+from opacus.accountants import PRVAccountant, RDPAccountant
+
+__all__ = [
+    "ACCOUNTANTS",
+    "BudgetExhaustedError",
+    "PrivacyBudget",
+    "calibrate_sigma",
+    "epsilon",
+]
+
+ACCOUNTANTS = {"prv": PRVAccountant, "rdp": RDPAccountant}
+MIN_SIGMA = 1e-2  # calibration searches sigma in [MIN_SIGMA, MAX_SIGMA]
+MAX_SIGMA = 1e4
+MAX_STEPS = 10**7  # steps_allowed searches up to this many steps
+CALIBRATION_REL_TOL = 0.005  # calibrated epsilon lands in [(1 - tol) * target, target]
+
+
+# ----------------------------------------------------------------------------------------------- validation
+
+
+def _check_accountant(accountant: str) -> str:
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {sorted(ACCOUNTANTS)}, got {accountant!r}")
+    return accountant
+
+
+def _check_positive(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _check_sample_rate(sample_rate: Any) -> float:
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, numbers.Real) or not 0 < sample_rate <= 1:
+        raise ValueError(f"sample_rate must be a probability in (0, 1], got {sample_rate!r}")
+    return float(sample_rate)
+
+
+def _check_delta(delta: Any) -> float:
+    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta < 1:
+        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    return float(delta)
+
+
+def _check_steps(name: str, steps: Any) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {steps!r}")
+    return int(steps)
+
+
+# ----------------------------------------------------------------------------------------------- epsilon
+
+
+@lru_cache(maxsize=4096)
+def _epsilon(sigma: float, sample_rate: float, steps: int, delta: float, accountant: str) -> float:
+    """:func:`epsilon` on validated arguments; memoised because a PRV call takes ~0.3 s."""
+    if steps == 0:
+        return 0.0
+    acc = ACCOUNTANTS[accountant]()
+    acc.history = [(sigma, sample_rate, steps)]  # `steps` self-compositions of one subsampled Gaussian
+    if accountant == "rdp":
+        return float(acc.get_epsilon(delta))
+    with warnings.catch_warnings():
+        # PRV sizes its grid with an internal RDP bound, whose "optimal order is the largest alpha" warning says
+        # nothing about the PRV result; numpy also warns about log(0) in the PRV density when q = 1.
+        warnings.filterwarnings("ignore", message="Optimal order is the", category=UserWarning)
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"opacus\.accountants\.analysis\.prv")
+        return float(acc.get_epsilon(delta))
+
+
+def epsilon(sigma: float, sample_rate: float, steps: int, delta: float, accountant: str = "prv") -> float:
+    """Epsilon spent by ``steps`` Poisson-subsampled Gaussian steps (noise multiplier ``sigma``, rate ``q``).
+
+    Uses Opacus' ``PRVAccountant`` (an upper bound: estimate + ``eps_error`` = 0.01) or ``RDPAccountant`` with
+    their default settings. Results are memoised per argument tuple, so repeated calls are free.
+    """
+    return _epsilon(
+        _check_positive("sigma", sigma),
+        _check_sample_rate(sample_rate),
+        _check_steps("steps", steps),
+        _check_delta(delta),
+        _check_accountant(accountant),
+    )
+
+
+# ----------------------------------------------------------------------------------------------- calibration
+
+
+def calibrate_sigma(
+    target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = "prv"
+) -> float:
+    """Smallest noise multiplier with ``epsilon(sigma, sample_rate, steps, delta) <= target_epsilon``.
+
+    Calibrate for the exact number of steps that will run. The result never overshoots the target (every sigma
+    the search may return has been checked with :func:`epsilon`) and is tight: its epsilon lies within 0.5% below
+    the target. Raises ``ValueError`` if even ``MAX_SIGMA`` cannot meet the target (each accountant has an
+    epsilon floor, see the module docstring). A few to ~10 accountant calls: ~0.1-0.5 s each for PRV.
+    """
+    target = _check_positive("target_epsilon", target_epsilon)
+    delta, q, accountant = _check_delta(delta), _check_sample_rate(sample_rate), _check_accountant(accountant)
+    if _check_steps("steps", steps) == 0:
+        raise ValueError("steps must be >= 1 to calibrate sigma (zero steps spend no privacy at any sigma)")
+
+    def eps(sigma: float) -> float:
+        return _epsilon(sigma, q, steps, delta, accountant)
+
+    # 1. Bracket by factors of 2 from sigma = 1: eps(lo) > target >= eps(hi).
+    hi = 1.0
+    while eps(hi) > target:  # grow until the target is met
+        if hi >= MAX_SIGMA:
+            raise ValueError(
+                f"target_epsilon={target} is unreachable with the {accountant!r} accountant at delta={delta}, "
+                f"q={q}, steps={steps}: even sigma={hi:g} gives epsilon={eps(hi):.4g}. "
+                "Raise target_epsilon, or lower the sample rate or the number of steps."
+            )
+        hi = min(2 * hi, MAX_SIGMA)
+    lo = hi / 2
+    while eps(lo) <= target:  # shrink until it is not (after growing, lo is already known to miss it)
+        if lo / 2 < MIN_SIGMA:
+            return lo  # the target is so loose that the search floor already meets it
+        lo, hi = lo / 2, lo
+
+    # 2. Shrink the bracket. eps is close to a power law in sigma, so interpolate in log-log coordinates, aiming
+    #    just below the target; clamping into the inner 80% of the bracket guarantees progress.
+    tol = CALIBRATION_REL_TOL * target
+    aim = math.log(target - tol / 2)
+    for _ in range(100):
+        if target - eps(hi) <= tol or hi / lo < 1 + 1e-9:
+            break
+        a, b = math.log(lo), math.log(hi)
+        fa, fb = math.log(eps(lo)), math.log(max(eps(hi), 1e-300))
+        t = (fa - aim) / (fa - fb) if math.isfinite(fa) and fa != fb else 0.5
+        mid = math.exp(a + min(max(t, 0.1), 0.9) * (b - a))
+        if eps(mid) <= target:
+            hi = mid
+        else:
+            lo = mid
+
+    # 3. The guarantee: verify the returned sigma with the accountant itself.
+    while eps(hi) > target:
+        hi *= 1.001
+    return hi
+
+
+# ----------------------------------------------------------------------------------------------- budget
+
+
+@lru_cache(maxsize=256)
+def _max_steps(sigma: float, sample_rate: float, delta: float, accountant: str, target: float) -> int:
+    """Largest T <= MAX_STEPS with epsilon(T) <= target; epsilon grows with T."""
+    within = lambda steps: _epsilon(sigma, sample_rate, steps, delta, accountant) <= target  # noqa: E731
+    lo, hi = 0, 1  # invariant: within(lo) (zero steps spend nothing); after the doubling, not within(hi)
+    while within(hi):
+        if hi == MAX_STEPS:
+            return MAX_STEPS
+        lo, hi = hi, min(2 * hi, MAX_STEPS)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if within(mid) else (lo, mid)
+    return lo
+
+
+class BudgetExhaustedError(RuntimeError):
+    """Raised before a step that would push the spent epsilon past the target."""
+
+
+class PrivacyBudget:
+    """Tracks the epsilon spent by a run of identical Poisson-subsampled Gaussian steps.
+
+    Use :meth:`spend` (or :meth:`check_step` then :meth:`record_step`) once per noisy release. With a
+    ``target_epsilon`` a step that would exceed it raises :class:`BudgetExhaustedError` before anything is
+    recorded. The whole run uses one ``(noise_multiplier, sample_rate)``; resume from :meth:`state_dict`.
+    """
+
+    def __init__(
+        self,
+        noise_multiplier: float,
+        sample_rate: float,
+        delta: float,
+        target_epsilon: float | None = None,
+        accountant: str = "prv",
+        steps_taken: int = 0,
+    ) -> None:
+        self.noise_multiplier = _check_positive("noise_multiplier", noise_multiplier)
+        self.sample_rate = _check_sample_rate(sample_rate)
+        self.delta = _check_delta(delta)
+        self.target_epsilon = None if target_epsilon is None else _check_positive("target_epsilon", target_epsilon)
+        self.accountant = _check_accountant(accountant)
+        self.steps_taken = _check_steps("steps_taken", steps_taken)
+
+    def _epsilon_at(self, steps: int) -> float:
+        return _epsilon(self.noise_multiplier, self.sample_rate, steps, self.delta, self.accountant)
+
+    @property
+    def epsilon(self) -> float:
+        """Epsilon spent by the steps recorded so far.
+
+        Memoised per step count, but a new count costs one accountant call (PRV: ~0.3 s at 2000 steps, RDP:
+        ~0.05 s), so log it every few steps rather than every step. :meth:`check_step` does not call it.
+        """
+        return self._epsilon_at(self.steps_taken)
+
+    @property
+    def steps_allowed(self) -> int | None:
+        """Largest total number of steps whose epsilon stays within the target (None without a target).
+
+        Found once (memoised) by a doubling-then-bisection search over the step count, capped at ``MAX_STEPS``.
+        """
+        if self.target_epsilon is None:
+            return None
+        return _max_steps(self.noise_multiplier, self.sample_rate, self.delta, self.accountant, self.target_epsilon)
+
+    def check_step(self, n: int = 1) -> None:
+        """Raise :class:`BudgetExhaustedError` if ``n`` more steps would exceed the target. Records nothing."""
+        n = _check_steps("n", n)
+        allowed = self.steps_allowed
+        if allowed is not None and self.steps_taken + n > allowed:
+            raise BudgetExhaustedError(
+                f"privacy budget exhausted: {n} more step(s) would raise epsilon from {self.epsilon:.4f} "
+                f"(after {self.steps_taken} steps) to {self._epsilon_at(self.steps_taken + n):.4f}, above the "
+                f"target epsilon={self.target_epsilon:g} at delta={self.delta:g} (sigma={self.noise_multiplier:.4g}, "
+                f"q={self.sample_rate:.4g}, {self.accountant} accountant). The target allows {allowed} steps in "
+                "total: train for fewer steps, or raise target_epsilon (and recalibrate sigma for the exact "
+                "number of steps)."
+            )
+
+    def record_step(self, n: int = 1) -> None:
+        """Record ``n`` steps as spent (no check)."""
+        self.steps_taken += _check_steps("n", n)
+
+    def spend(self, n: int = 1) -> None:
+        """:meth:`check_step` then :meth:`record_step`."""
+        self.check_step(n)
+        self.record_step(n)
+
+    def report(self) -> dict[str, Any]:
+        """Plain summary for logs and result files."""
+        return {
+            "epsilon": self.epsilon,
+            "delta": self.delta,
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sample_rate,
+            "steps": self.steps_taken,
+            "accountant": self.accountant,
+            "target_epsilon": self.target_epsilon,
+        }
+
+    _MECHANISM = ("noise_multiplier", "sample_rate")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Configuration and steps taken, for checkpoints."""
+        keys = ("noise_multiplier", "sample_rate", "delta", "target_epsilon", "accountant", "steps_taken")
+        return {k: getattr(self, k) for k in keys}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``steps_taken`` from a checkpoint of a run with the same mechanism.
+
+        The recorded steps were taken with the checkpoint's ``noise_multiplier`` and ``sample_rate``; a budget
+        with different values would misaccount them, so a mismatch raises ``ValueError``. ``delta``,
+        ``target_epsilon`` and ``accountant`` are this budget's own (they only change how the steps are judged).
+        """
+        mismatched = [f"{k}={state.get(k)!r} in the checkpoint but {getattr(self, k)!r} here"
+                      for k in self._MECHANISM if state.get(k) != getattr(self, k)]
+        if mismatched:
+            raise ValueError("privacy budget checkpoint was recorded with a different mechanism: "
+                             + ", ".join(mismatched))
+        self.steps_taken = _check_steps("steps_taken", state.get("steps_taken"))

@@ -1,0 +1,244 @@
+"""Tests for prismdp.privacy: accounting against Opacus, calibration, budget tracking, Poisson sampling."""
+
+import math
+
+import pytest
+import torch
+from opacus.accountants import PRVAccountant, RDPAccountant
+
+from prismdp.privacy import (
+    BudgetExhaustedError,
+    PoissonSampler,
+    PrivacyBudget,
+    calibrate_sigma,
+    epsilon,
+    split_micro_batches,
+)
+
+DELTA = 1e-5
+
+
+# ------------------------------------------------------------------------------------------------- epsilon
+
+
+@pytest.mark.parametrize("name, cls", [("prv", PRVAccountant), ("rdp", RDPAccountant)])
+def test_epsilon_matches_opacus(name, cls):
+    reference = cls()
+    reference.history = [(1.5, 0.04, 2250)]
+    expected = reference.get_epsilon(DELTA)
+    assert epsilon(1.5, 0.04, 2250, DELTA, name) == pytest.approx(expected, rel=1e-6)
+
+
+def test_epsilon_matches_opacus_stepping():
+    """Composing via the history equals stepping an accountant one step at a time."""
+    reference = RDPAccountant()
+    for _ in range(300):
+        reference.step(noise_multiplier=1.1, sample_rate=0.02)
+    assert epsilon(1.1, 0.02, 300, DELTA, "rdp") == pytest.approx(reference.get_epsilon(DELTA), rel=1e-6)
+
+
+@pytest.mark.parametrize("accountant", ["prv", "rdp"])
+def test_epsilon_monotone(accountant):
+    by_sigma = [epsilon(s, 0.02, 500, DELTA, accountant) for s in (0.8, 1.0, 1.5, 3.0)]
+    assert all(a > b for a, b in zip(by_sigma, by_sigma[1:])), by_sigma
+    by_steps = [epsilon(1.0, 0.02, t, DELTA, accountant) for t in (1, 10, 100, 500)]
+    assert all(a < b for a, b in zip(by_steps, by_steps[1:])), by_steps
+    assert 0.5 < epsilon(1.0, 0.02, 500, DELTA, accountant) < 10  # the DP-SGD regime everyone quotes
+    assert epsilon(1.0, 0.02, 0, DELTA, accountant) == 0.0
+
+
+def test_prv_tighter_than_rdp():
+    assert epsilon(1.0, 0.02, 1000, DELTA, "prv") < epsilon(1.0, 0.02, 1000, DELTA, "rdp")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(sigma=0.0), "sigma"),
+        (dict(sigma=float("nan")), "sigma"),
+        (dict(sample_rate=0.0), "sample_rate"),
+        (dict(sample_rate=1.5), "sample_rate"),
+        (dict(steps=-1), "steps"),
+        (dict(steps=2.5), "steps"),
+        (dict(delta=0.0), "delta"),
+        (dict(delta=1.0), "delta"),
+        (dict(accountant="gdp"), r"\['prv', 'rdp'\]"),
+    ],
+)
+def test_epsilon_rejects_bad_input(kwargs, match):
+    args = dict(sigma=1.0, sample_rate=0.01, steps=10, delta=DELTA, accountant="rdp") | kwargs
+    with pytest.raises(ValueError, match=match):
+        epsilon(**args)
+
+
+# ------------------------------------------------------------------------------------------------- calibration
+
+
+@pytest.mark.parametrize("accountant", ["prv", "rdp"])
+@pytest.mark.parametrize("steps", [100, 1000])
+@pytest.mark.parametrize("q", [0.01, 0.05])
+@pytest.mark.parametrize("target", [1.0, 3.0, 8.0])
+def test_calibration_never_overshoots_and_is_tight(target, q, steps, accountant):
+    sigma = calibrate_sigma(target, DELTA, q, steps, accountant)
+    eps = epsilon(sigma, q, steps, DELTA, accountant)
+    assert eps <= target
+    assert eps >= 0.97 * target
+    # and it is the smallest such sigma, up to the tolerance: 1% less noise overshoots
+    assert epsilon(sigma * 0.99, q, steps, DELTA, accountant) > 0.99 * target
+
+
+def test_calibration_errors():
+    with pytest.raises(ValueError, match="unreachable"):
+        calibrate_sigma(0.05, DELTA, 0.01, 100, "rdp")  # below RDP's floor at any sigma
+    with pytest.raises(ValueError, match="target_epsilon"):
+        calibrate_sigma(-1.0, DELTA, 0.01, 100, "rdp")
+    with pytest.raises(ValueError, match="steps"):
+        calibrate_sigma(3.0, DELTA, 0.01, 0, "rdp")
+    with pytest.raises(ValueError, match="accountant"):
+        calibrate_sigma(3.0, DELTA, 0.01, 100, "Prv")
+
+
+# ------------------------------------------------------------------------------------------------- budget
+
+
+@pytest.mark.parametrize("accountant", ["prv", "rdp"])
+def test_steps_allowed_consistent_with_epsilon(accountant):
+    budget = PrivacyBudget(1.0, 0.02, DELTA, target_epsilon=2.0, accountant=accountant)
+    allowed = budget.steps_allowed
+    assert 10 < allowed < 1000
+    assert epsilon(1.0, 0.02, allowed, DELTA, accountant) <= 2.0 < epsilon(1.0, 0.02, allowed + 1, DELTA, accountant)
+
+
+def test_budget_refuses_before_spending():
+    budget = PrivacyBudget(1.0, 0.02, DELTA, target_epsilon=2.0, accountant="rdp")
+    allowed = budget.steps_allowed
+    assert allowed > 10
+    budget.spend(allowed - 1)
+    with pytest.raises(BudgetExhaustedError, match=r"target epsilon=2 .*fewer steps.*raise target_epsilon"):
+        budget.spend(2)
+    assert budget.steps_taken == allowed - 1  # nothing was recorded
+    budget.spend()  # the last allowed step is fine
+    assert budget.epsilon <= 2.0
+    with pytest.raises(BudgetExhaustedError):
+        budget.check_step()
+    assert budget.steps_taken == allowed
+    assert isinstance(BudgetExhaustedError("x"), RuntimeError)
+
+
+def test_budget_without_target_never_refuses():
+    budget = PrivacyBudget(1.0, 0.02, DELTA, accountant="rdp")
+    assert budget.steps_allowed is None
+    budget.spend(5000)
+    assert budget.epsilon == epsilon(1.0, 0.02, 5000, DELTA, "rdp") > 10
+
+
+def test_budget_epsilon_report_and_state_dict():
+    budget = PrivacyBudget(1.2, 0.03, DELTA, target_epsilon=8.0, accountant="rdp")
+    assert budget.epsilon == 0.0
+    budget.record_step(40)
+    assert budget.epsilon == epsilon(1.2, 0.03, 40, DELTA, "rdp")
+    report = budget.report()
+    assert report == {
+        "epsilon": budget.epsilon,
+        "delta": DELTA,
+        "noise_multiplier": 1.2,
+        "sample_rate": 0.03,
+        "steps": 40,
+        "accountant": "rdp",
+        "target_epsilon": 8.0,
+    }
+
+    resumed = PrivacyBudget(1.2, 0.03, DELTA, target_epsilon=8.0, accountant="rdp")
+    resumed.load_state_dict(budget.state_dict())
+    assert resumed.steps_taken == 40 and resumed.epsilon == budget.epsilon
+    assert PrivacyBudget(1.2, 0.03, DELTA, steps_taken=40, accountant="rdp").epsilon == budget.epsilon
+
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        PrivacyBudget(1.3, 0.03, DELTA, accountant="rdp").load_state_dict(budget.state_dict())
+
+
+def test_budget_rejects_bad_input():
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        PrivacyBudget(0.0, 0.02, DELTA)
+    with pytest.raises(ValueError, match="accountant"):
+        PrivacyBudget(1.0, 0.02, DELTA, accountant="gdp")
+    with pytest.raises(ValueError, match="n must be"):
+        PrivacyBudget(1.0, 0.02, DELTA).record_step(-1)
+
+
+# ------------------------------------------------------------------------------------------------- sampling
+
+
+def test_sampler_inclusion_frequency():
+    n, q, steps = 200, 0.1, 500
+    counts = torch.zeros(n)
+    batches = list(PoissonSampler(n, q, steps, generator=0))
+    assert len(batches) == steps
+    for batch in batches:
+        assert batch.dtype == torch.long
+        assert torch.equal(batch, torch.unique(batch))  # sorted, no duplicates
+        counts[batch] += 1
+    freq = counts / steps
+    # per-index frequency: binomial sd = sqrt(q(1-q)/steps) ~ 0.013; the overall mean has sd ~ 0.001
+    assert abs(freq.mean().item() - q) < 0.005
+    assert (freq - q).abs().max().item() < 6 * math.sqrt(q * (1 - q) / steps)
+    sizes = torch.tensor([len(b) for b in batches], dtype=torch.float)
+    assert sizes.var().item() > 5  # variable batch size (Binomial(200, 0.1) variance 18)
+
+
+def test_sampler_yields_empty_batches():
+    sampler = PoissonSampler(10, 0.01, 200, generator=1)  # P(empty) = 0.99^10 ~ 0.9
+    batches = list(sampler)
+    assert len(batches) == 200
+    empty = sum(len(b) == 0 for b in batches)
+    assert 150 < empty < 200
+    assert all(b.dtype == torch.long for b in batches)
+
+
+def test_sampler_reproducible_and_seed_sensitive():
+    a = list(PoissonSampler(100, 0.2, 20, generator=7))
+    b = list(PoissonSampler(100, 0.2, 20, generator=torch.Generator().manual_seed(7)))
+    c = list(PoissonSampler(100, 0.2, 20, generator=8))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+def test_sampler_resume_matches_uninterrupted_run():
+    full = list(PoissonSampler(50, 0.3, 12, generator=3))
+
+    first = PoissonSampler(50, 0.3, 12, generator=3)
+    head = [batch for _, batch in zip(range(5), first)]
+    state = first.state_dict()
+    assert state["step"] == 5 and len(first) == 7
+
+    resumed = PoissonSampler(50, 0.3, 12, generator=123)  # a different seed: the state must win
+    resumed.load_state_dict(state)
+    tail = list(resumed)
+    assert len(tail) == 7
+    assert all(torch.equal(x, y) for x, y in zip(head + tail, full))
+    assert list(resumed) == []  # a fixed schedule: exhausted after `steps` batches
+
+
+def test_sampler_expected_batch_size_and_bad_input():
+    assert PoissonSampler(1000, 0.064, 3).expected_batch_size == pytest.approx(64.0)
+    with pytest.raises(ValueError, match="dataset_size"):
+        PoissonSampler(0, 0.1, 3)
+    with pytest.raises(ValueError, match="sample_rate"):
+        PoissonSampler(10, 0.0, 3)
+    with pytest.raises(ValueError, match="sample_rate"):
+        PoissonSampler(10, 1.2, 3)
+    with pytest.raises(ValueError, match="steps"):
+        PoissonSampler(10, 0.1, -1)
+    with pytest.raises(TypeError, match="generator"):
+        PoissonSampler(10, 0.1, 3, generator="seed")
+    with pytest.raises(ValueError, match="steps"):
+        PoissonSampler(10, 0.1, 3).load_state_dict(PoissonSampler(10, 0.1, 4).state_dict())
+
+
+def test_split_micro_batches():
+    chunks = list(split_micro_batches(torch.arange(10), 4))
+    assert [c.tolist() for c in chunks] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert list(split_micro_batches(torch.empty(0, dtype=torch.long), 4)) == []
+    assert list(split_micro_batches([1, 2, 3], 3)) == [[1, 2, 3]]
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        list(split_micro_batches(torch.arange(3), 0))
