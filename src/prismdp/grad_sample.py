@@ -33,12 +33,12 @@ class PerExampleGrads:
     """Per-example gradients of one micro-batch, in parameter space.
 
     ``lora[k] = (g_WB, g_WA_T)`` for pair k: ``g_WB`` (b, m, r) is the gradient of ``lora_B.weight`` and
-    ``g_WA_T`` (b, n, r) the *transposed* gradient of ``lora_A.weight``.  ``dense[j]`` is (b, *p.shape) for the
-    j-th dense trainable parameter.
+    ``g_WA_T`` (b, n, r) the *transposed* gradient of ``lora_A.weight`` (``None`` when the pair's ``lora_A`` is
+    frozen, ``pair.trainable == "B"``).  ``dense[j]`` is (b, *p.shape) for the j-th dense trainable parameter.
     """
 
     batch_size: int
-    lora: list[tuple[Tensor, Tensor]]
+    lora: list[tuple[Tensor, Tensor | None]]
     dense: list[Tensor] = field(default_factory=list)
 
 
@@ -88,12 +88,20 @@ class Recording:
 class GradSampler:
     """Hooks that record what per-example gradients need, for LoRA pairs and dense trainable layers.
 
-    Usage::
+    Usage, scoped::
 
         sampler = GradSampler(model, pairs)
         with sampler.record() as rec:
             per_example_losses(model, batch).sum().backward()
-        grads = rec.grads()
+        grads = sampler.grads(rec)
+
+    or armed (what a training loop wants: every forward with grad enabled is recorded)::
+
+        sampler.arm()
+        per_example_losses(model, batch).sum().backward()
+        grads = sampler.collect()   # and re-armed for the next micro-batch
+
+    Forward passes under ``torch.no_grad()`` (evaluation) are never recorded.
     """
 
     def __init__(self, model: nn.Module, pairs: list[LoraPair]):
@@ -103,7 +111,8 @@ class GradSampler:
         self._rec: Recording | None = None
         self._handles = []
         for k, pair in enumerate(pairs):
-            self._handles.append(pair.lora_A.register_forward_hook(self._hook(k, "lora_x", "lora_dh")))
+            if pair.trains_A:  # a frozen lora_A needs no per-example gradient
+                self._handles.append(pair.lora_A.register_forward_hook(self._hook(k, "lora_x", "lora_dh")))
             self._handles.append(pair.lora_B.register_forward_hook(self._hook(k, "lora_h", "lora_dy")))
         for j, (module, _) in enumerate(self.dense):
             self._handles.append(module.register_forward_hook(self._hook(j, "dense_x", "dense_dy")))
@@ -141,19 +150,34 @@ class GradSampler:
         finally:
             self._rec = None
 
+    def arm(self) -> None:
+        """Record every grad-enabled forward pass until :meth:`disarm`."""
+        self._rec = Recording(len(self.pairs), len(self.dense))
+
+    def disarm(self) -> None:
+        self._rec = None
+
+    def collect(self) -> PerExampleGrads:
+        """Per-example gradients of the forward/backward just run in armed mode; re-arms."""
+        if self._rec is None:
+            raise RuntimeError("GradSampler.collect() needs arm() first")
+        rec = self._rec
+        self.arm()
+        return self.grads(rec)
+
     def grads(self, rec: Recording) -> PerExampleGrads:
         """Per-example gradients from a finished recording (forward and backward done)."""
         lora = []
         batch = None
         for k, pair in enumerate(self.pairs):
             x, h, dy, dh = rec.lora_x[k], rec.lora_h[k], rec.lora_dy[k], rec.lora_dh[k]
-            if x is None or dy is None or dh is None:
+            if dy is None or (pair.trains_A and (x is None or dh is None)):
                 raise RuntimeError(
                     f"no activations/gradients were recorded for LoRA module {pair.name!r}: run the forward and "
                     "backward pass inside `with sampler.record():` with the LoRA adapter active"
                 )
             g_wb = torch.einsum("btm,btr->bmr", _flat(dy), _flat(h).to(dy.dtype))
-            g_wa_t = torch.einsum("btn,btr->bnr", _flat(x).to(dh.dtype), _flat(dh))
+            g_wa_t = torch.einsum("btn,btr->bnr", _flat(x).to(dh.dtype), _flat(dh)) if pair.trains_A else None
             lora.append((g_wb, g_wa_t))
             batch = g_wb.shape[0]
         dense = []

@@ -25,6 +25,7 @@ __all__ = [
     "LoraPair",
     "LoraSetupError",
     "find_lora_pairs",
+    "freeze_lora_A",
     "get_factors",
     "set_factors",
     "RankRStart",
@@ -43,6 +44,7 @@ class LoraPair:
     name: str
     layer: nn.Module  # the peft lora.Linear wrapper
     adapter: str
+    trainable: str = "both"  # "both" factors, or "B" only (lora_A frozen, e.g. FFA-LoRA)
 
     @property
     def lora_A(self) -> nn.Linear:  # W_A: (r, n)
@@ -66,6 +68,15 @@ class LoraPair:
     def params(self) -> tuple[nn.Parameter, nn.Parameter]:
         return self.lora_A.weight, self.lora_B.weight
 
+    @property
+    def trains_A(self) -> bool:
+        return self.trainable == "both"
+
+    @property
+    def trained_params(self) -> tuple[nn.Parameter, ...]:
+        """The trained factors in :class:`~prismdp.grad_sample.PerExampleGrads` order: (lora_B[, lora_A])."""
+        return (self.lora_B.weight, self.lora_A.weight) if self.trains_A else (self.lora_B.weight,)
+
 
 def _lora_linear_cls():
     from peft.tuners.lora.layer import Linear
@@ -73,13 +84,29 @@ def _lora_linear_cls():
     return Linear
 
 
-def find_lora_pairs(model: nn.Module, adapter: str = "default") -> list[LoraPair]:
+def freeze_lora_A(model: nn.Module, adapter: str = "default") -> None:
+    """Freeze every ``lora_A`` factor of ``adapter`` at its current value (FFA-LoRA keeps PEFT's random init)."""
+    from peft.tuners.lora.layer import LoraLayer
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and adapter in getattr(module, "lora_A", {}):
+            module.lora_A[adapter].weight.requires_grad_(False)
+
+
+def find_lora_pairs(model: nn.Module, adapter: str = "default", trainable: str = "both") -> list[LoraPair]:
     """All trainable PEFT LoRA ``Linear`` pairs of ``adapter``; validates what prismdp supports.
 
+    ``trainable="both"`` takes the pairs whose two factors are trainable; ``trainable="B"`` the pairs whose
+    ``lora_B`` is trainable and whose ``lora_A`` is frozen (call :func:`freeze_lora_A` first), as FFA-LoRA trains.
+
     Raises :class:`LoraSetupError` (naming the module and the fix) for LoRA layers of other types
-    (embedding, conv, ...), DoRA / other variants, LoRA biases, r >= min(m, n), or no pair at all.
+    (embedding, conv, ...), DoRA / other variants, LoRA biases, r >= min(m, n), a trainable ``lora_A`` with
+    ``trainable="B"``, or no pair at all.
     """
     from peft.tuners.lora.layer import LoraLayer
+
+    if trainable not in ("both", "B"):
+        raise ValueError(f"trainable must be 'both' or 'B', got {trainable!r}")
 
     linear_cls = _lora_linear_cls()
     pairs: list[LoraPair] = []
@@ -96,14 +123,19 @@ def find_lora_pairs(model: nn.Module, adapter: str = "default") -> list[LoraPair
                 f"LoRA module {name!r} uses a LoRA variant (e.g. DoRA); prismdp supports plain LoRA only. "
                 "Fix: create the LoraConfig with use_dora=False."
             )
-        pair = LoraPair(name, module, adapter)
+        pair = LoraPair(name, module, adapter, trainable)
         if pair.lora_A.bias is not None or pair.lora_B.bias is not None:
             raise LoraSetupError(
                 f"LoRA module {name!r} has a LoRA bias; the rank-r manifold has no bias term. "
                 "Fix: create the LoraConfig with lora_bias=False."
             )
         wa, wb = pair.params
-        if not (wa.requires_grad and wb.requires_grad):
+        if trainable == "B" and wb.requires_grad and wa.requires_grad:
+            raise LoraSetupError(
+                f"LoRA module {name!r} has a trainable lora_A, but only lora_B is trained here; its gradient "
+                "would escape the privacy guarantee. Fix: call prismdp.lora.freeze_lora_A(model) first."
+            )
+        if not (wb.requires_grad and (wa.requires_grad or trainable == "B")):
             continue
         m, n, r = pair.shape
         if r >= min(m, n):

@@ -1,9 +1,10 @@
 """Factor-space DP-SGD (the common "DP-LoRA"), with Opacus' DPOptimizer semantics, around any torch optimizer.
 
-Per example, the gradients of every trained tensor (``lora_A.weight``, ``lora_B.weight`` of each pair and the
-dense parameters) are concatenated, clipped to global L2 norm C, summed, perturbed by ``N(0, sigma^2 C^2)`` on
-every coordinate and divided by the expected batch size; the result is written to ``p.grad`` and the wrapped
-optimizer steps.  With ``AdamW`` this is the paper's DP-AdamW baseline.
+Per example, the gradients of every trained tensor (``lora_B.weight`` and, unless the pair's ``lora_A`` is frozen
+as in FFA-LoRA, ``lora_A.weight`` of each pair, and the dense parameters) are concatenated, clipped to global L2
+norm C, summed, perturbed by ``N(0, sigma^2 C^2)`` on every coordinate and divided by the expected batch size;
+the result is written to ``p.grad`` and the wrapped optimizer steps.  With ``AdamW`` this is the paper's DP-AdamW
+baseline; :mod:`prismdp.optim.baselines` wraps the other baselines' optimizers the same way.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ class DPFactorOptimizer:
             )
 
     def _params(self) -> list[nn.Parameter]:
-        """Trained tensors in the order of :class:`PerExampleGrads`: per pair (lora_B, lora_A), then dense."""
-        return [p for pair in self.pairs for p in (pair.lora_B.weight, pair.lora_A.weight)] + self.dense_params
+        """Trained tensors in the order of :class:`PerExampleGrads`: per pair (lora_B[, lora_A]), then dense."""
+        return [p for pair in self.pairs for p in pair.trained_params] + self.dense_params
 
     @property
     def param_groups(self):
@@ -66,7 +67,10 @@ class DPFactorOptimizer:
     def accumulate(self, grads: PerExampleGrads) -> None:
         if grads.batch_size == 0:
             return
-        tensors = [t for g_wb, g_wa_t in grads.lora for t in (g_wb, g_wa_t)] + list(grads.dense)
+        tensors = []  # exactly the trained tensors: a frozen lora_A's gradient joins neither norm nor sum
+        for pair, (g_wb, g_wa_t) in zip(self.pairs, grads.lora):
+            tensors += [g_wb, g_wa_t] if pair.trains_A else [g_wb]
+        tensors += list(grads.dense)
         tensors = [t.float() for t in tensors]
         sq = sum(t.flatten(1).square().sum(1) for t in tensors)
         coef = self._clip.coefficients(sq)
@@ -122,7 +126,7 @@ def dp_adamw(
 ):
     """The DP-AdamW baseline (``dp=None``: plain AdamW on the factors, the non-private LoRA baseline)."""
     dense_params = list(dense_params)
-    params = [p for pair in pairs for p in (pair.lora_B.weight, pair.lora_A.weight)] + dense_params
+    params = [p for pair in pairs for p in pair.trained_params] + dense_params
     opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if dp is None:
         return opt

@@ -1,0 +1,200 @@
+"""``make_private``: one call that turns a PEFT LoRA model into a private training setup (like Opacus'
+``PrivacyEngine.make_private``), for plain PyTorch training loops.
+
+    private = make_private(model, method="prism", lr=2e-4, dataset_size=N, batch_size=64, steps=T,
+                           target_epsilon=3.0, delta=1e-5, max_grad_norm=1.0, seed=0)
+    for batch in private.batches():                      # Poisson batches of indices
+        for micro in split_micro_batches(batch, 8):
+            private.backward(per_example_losses(model, micro))   # (b,) losses, one per example
+        private.step()                                   # clip, noise, update; refuses to exceed the budget
+    print(private.epsilon)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from .grad_sample import GradSampler
+from .lora import LoraPair, RankRStart, find_lora_pairs, freeze_lora_A, move_to_rank_r_start
+from .optim import PRISM, dp_adamw, dp_ffa, dp_lamb, dp_lora_plus, dp_lora_rite
+from .privacy import PoissonSampler, PrivacyBudget, calibrate_sigma
+from .privacy.clipping import DPConfig
+
+__all__ = ["make_private", "PrivateLoRA", "METHODS", "register_method", "DEFAULT_LR"]
+
+# The paper's learning rates per task family (Appendix B, "Method-specific hyperparameters").
+DEFAULT_LR: dict[str, dict[str, float]] = {
+    "glue": {"prism": 2e-4, "dp-adamw": 2e-4, "ffa": 2e-4, "lora-plus": 2e-4, "lora-rite": 2e-4, "lamb": 5e-3},
+    "math": {"prism": 3e-4, "dp-adamw": 3e-4, "ffa": 3e-4, "lora-plus": 3e-4, "lora-rite": 3e-4, "lamb": 5e-3},
+}
+
+
+@dataclass
+class MethodSpec:
+    """How to build one training method: its optimizer, whether it starts on the rank-r manifold, how it prepares
+    the model before the LoRA pairs are discovered (``prepare(model, adapter)``, e.g. freezing ``lora_A``) and
+    which factors it trains (``find_lora_pairs(..., trainable=...)``)."""
+
+    build: Callable[..., object]
+    rank_r_start: bool
+    prepare: Callable[[nn.Module, str], None] | None = None
+    trainable: str = "both"
+
+
+METHODS: dict[str, MethodSpec] = {}
+
+
+def register_method(name: str, build: Callable[..., object], rank_r_start: bool = False, *,
+                    prepare: Callable[[nn.Module, str], None] | None = None, trainable: str = "both") -> None:
+    """``build(pairs, dense_params, lr=..., dp=..., generator=..., budget=..., **kwargs)`` -> optimizer."""
+    METHODS[name] = MethodSpec(build, rank_r_start, prepare, trainable)
+
+
+def _build_prism(pairs, dense_params, *, lr, dp, generator, budget, **kw):
+    return PRISM(pairs, lr=lr, dense_params=dense_params, dp=dp, generator=generator, budget=budget, **kw)
+
+
+def _build_dp_adamw(pairs, dense_params, *, lr, dp, generator, budget, **kw):
+    return dp_adamw(pairs, dense_params, lr=lr, dp=dp, generator=generator, budget=budget, **kw)
+
+
+register_method("prism", _build_prism, rank_r_start=True)
+register_method("dp-adamw", _build_dp_adamw)
+register_method("ffa", dp_ffa, prepare=freeze_lora_A, trainable="B")
+register_method("lora-plus", dp_lora_plus)
+register_method("lamb", dp_lamb)
+register_method("lora-rite", dp_lora_rite)
+
+
+@dataclass
+class PrivateLoRA:
+    """Everything one private (or non-private) LoRA training run needs, explicit and inspectable."""
+
+    model: nn.Module
+    method: str
+    pairs: list[LoraPair]
+    grad_sampler: GradSampler
+    optimizer: object
+    dp: DPConfig | None
+    budget: PrivacyBudget | None
+    data_sampler: PoissonSampler
+    start: RankRStart | None
+    delta: float
+    accountant: str
+    _seen: int = field(default=0, repr=False)
+
+    @property
+    def private(self) -> bool:
+        return self.dp is not None
+
+    def batches(self) -> Iterator[Tensor]:
+        """The remaining Poisson batches (index tensors), resumable through ``data_sampler.state_dict()``."""
+        return iter(self.data_sampler)
+
+    def backward(self, losses: Tensor) -> None:
+        """Backpropagate one micro-batch of per-example losses (shape (b,); each depends on its example only)."""
+        if losses.dim() != 1:
+            raise ValueError(
+                f"backward() takes per-example losses of shape (batch,), got {tuple(losses.shape)}; use "
+                "prismdp.losses.* with no reduction over the batch"
+            )
+        if losses.numel() == 0:
+            return
+        losses.sum().backward()
+        if self.private:
+            self.optimizer.accumulate(self.grad_sampler.collect())
+            self.model.zero_grad(set_to_none=True)
+        else:
+            self._seen += losses.numel()
+
+    def step(self) -> dict[str, float]:
+        """One optimizer step for the logical batch; returns its statistics (clip fraction, batch size, ...)."""
+        if not self.private:
+            if self._seen:
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(self._seen)
+            stats = {"batch_size": float(self._seen)}
+            self._seen = 0
+        self.optimizer.step()
+        self.model.zero_grad(set_to_none=True)
+        if self.private:
+            stats = dict(self.optimizer.last_stats)
+        return stats
+
+    @property
+    def epsilon(self) -> float:
+        return self.budget.epsilon if self.budget is not None else float("inf")
+
+    def privacy_report(self) -> dict:
+        if self.budget is None:
+            return {"private": False}
+        rep = self.budget.report()
+        rep.update(private=True, max_grad_norm=self.dp.max_grad_norm, method=self.method,
+                   expected_batch_size=self.dp.expected_batch_size)
+        return rep
+
+
+def make_private(
+    model: nn.Module,
+    *,
+    method: str = "prism",
+    lr: float,
+    dataset_size: int,
+    batch_size: float,
+    steps: int,
+    target_epsilon: float | None = None,
+    noise_multiplier: float | None = None,
+    delta: float = 1e-5,
+    max_grad_norm: float = 1.0,
+    accountant: str = "prv",
+    seed: int | None = None,
+    init: str = "spectral",
+    adapter: str = "default",
+    **method_kwargs,
+) -> PrivateLoRA:
+    """Validate the model, calibrate sigma for exactly ``steps`` Poisson steps and build the optimizer.
+
+    ``batch_size`` is the *expected* logical batch size (sample rate ``q = batch_size / dataset_size``).  Give
+    ``target_epsilon`` (sigma is calibrated) or ``noise_multiplier`` (epsilon is tracked and capped at nothing);
+    neither gives a non-private run with the same geometry.  Every check runs before any noise is drawn.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {sorted(METHODS)}")
+    if not (isinstance(dataset_size, int) and dataset_size > 0):
+        raise ValueError(f"dataset_size must be a positive integer, got {dataset_size!r}")
+    if not (0 < batch_size <= dataset_size):
+        raise ValueError(f"batch_size must be in (0, dataset_size={dataset_size}], got {batch_size}")
+    if not (isinstance(steps, int) and steps > 0):
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    if target_epsilon is not None and noise_multiplier is not None:
+        raise ValueError("give target_epsilon or noise_multiplier, not both")
+    spec = METHODS[method]
+    if spec.prepare is not None:
+        spec.prepare(model, adapter)
+    pairs = find_lora_pairs(model, adapter, trainable=spec.trainable)
+    grad_sampler = GradSampler(model, pairs)  # refuses trainable parameters it cannot cover
+    q = batch_size / dataset_size
+    dp = budget = None
+    if target_epsilon is not None:
+        noise_multiplier = calibrate_sigma(target_epsilon, delta, q, steps, accountant=accountant)
+    if noise_multiplier is not None:
+        dp = DPConfig(float(noise_multiplier), float(max_grad_norm), float(batch_size))
+        budget = PrivacyBudget(dp.noise_multiplier, q, delta, target_epsilon=target_epsilon, accountant=accountant)
+        budget.check_step(steps)  # the whole run fits in the budget, or fail now
+    gen = torch.Generator(device=pairs[0].lora_A.weight.device)
+    gen.manual_seed(seed if seed is not None else torch.seed())
+    data_gen = torch.Generator().manual_seed((seed if seed is not None else torch.seed()) + 1)
+    start = move_to_rank_r_start(pairs, init=init, generator=torch.Generator().manual_seed(
+        (seed or 0) + 2)) if spec.rank_r_start else None
+    optimizer = spec.build(pairs, grad_sampler.dense_params, lr=lr, dp=dp, generator=gen, budget=budget,
+                           **method_kwargs)
+    if dp is not None:
+        grad_sampler.arm()
+    data_sampler = PoissonSampler(dataset_size, q, steps, generator=data_gen)
+    return PrivateLoRA(model, method, pairs, grad_sampler, optimizer, dp, budget, data_sampler, start, delta,
+                       accountant)

@@ -1,0 +1,121 @@
+"""The run configuration: one dataclass, validated on construction, loadable from YAML/JSON, flags override it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TrainConfig", "ConfigError", "load_config_file", "GLUE_TASKS", "TASKS"]
+
+GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte")
+TASKS = ("synthetic", "instruct", *GLUE_TASKS)
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key and the fix."""
+
+
+@dataclass
+class TrainConfig:
+    model: str | None = None  # local folder, hub id or .gguf file; None = the packaged default for the task
+    task: str = "synthetic"  # synthetic (built-in), instruct (LLM-Adapters JSON) or a GLUE task name
+    data: str | None = None  # GLUE folder / LLM-Adapters JSON file; None = built-in (synthetic) or hub (GLUE)
+    method: str = "prism"
+    dp: bool = True
+    epsilon: float = 3.0
+    delta: float = 1e-5
+    accountant: str = "prv"
+    steps: int = 150
+    batch_size: float = 32.0  # expected logical batch (Poisson rate q = batch_size / dataset size)
+    micro_batch_size: int = 8
+    lr: float | None = None  # None = the method's default for the task family
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.05
+    target_modules: list[str] | None = None  # None = q/k/v(/up/down) for the model family
+    max_grad_norm: float = 1.0
+    seed: int = 42
+    max_length: int = 128
+    train_on_inputs: bool = False
+    init: str = "spectral"
+    train_examples: int | None = None  # take a seeded subset of this many training examples
+    eval_examples: int | None = None  # evaluate on the first this-many evaluation examples
+    synthetic_train: int = 2000
+    synthetic_test: int = 500
+    eval_batch_size: int = 64
+    checkpoint_every: int = 50
+    output: str = "runs/prismdp"
+    method_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        def bad(key, msg):
+            raise ConfigError(f"{key}: {msg}")
+
+        if self.task not in TASKS:
+            bad("task", f"unknown task {self.task!r}; choose one of {', '.join(TASKS)}")
+        if self.task == "instruct" and self.data is None:
+            pass  # the trainer falls back to the Math-10K file only if the user gives it; checked there
+        for key in ("steps", "micro_batch_size", "rank", "max_length", "eval_batch_size", "synthetic_train",
+                    "synthetic_test", "checkpoint_every"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                bad(key, f"must be a positive integer, got {v!r}")
+        for key in ("batch_size", "alpha", "max_grad_norm", "epsilon"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                bad(key, f"must be a positive number, got {v!r}")
+        if self.lr is not None and not self.lr > 0:
+            bad("lr", f"must be a positive number, got {self.lr!r}")
+        if not 0 < self.delta < 1:
+            bad("delta", f"must lie in (0, 1), got {self.delta!r}")
+        if not 0 <= self.dropout < 1:
+            bad("dropout", f"must lie in [0, 1), got {self.dropout!r}")
+        if self.accountant not in ("prv", "rdp"):
+            bad("accountant", f"must be 'prv' or 'rdp', got {self.accountant!r}")
+        if self.init not in ("spectral", "random"):
+            bad("init", f"must be 'spectral' or 'random', got {self.init!r}")
+        for key in ("train_examples", "eval_examples"):
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                bad(key, f"must be a positive integer or null, got {v!r}")
+        if isinstance(self.target_modules, str):
+            self.target_modules = [t.strip() for t in self.target_modules.split(",") if t.strip()]
+        if self.target_modules is not None and not self.target_modules:
+            bad("target_modules", "is empty; give module names such as query,value")
+        self.batch_size = float(self.batch_size)
+
+    @property
+    def task_family(self) -> str:
+        """'math' for instruction tuning (the paper's Math-10K rates), 'glue' otherwise."""
+        return "math" if self.task == "instruct" else "glue"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], source: str = "config") -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"{source}: unknown key(s) {unknown}; valid keys: {sorted(known)}")
+        return cls(**values)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or JSON mapping of TrainConfig keys (dashes or underscores)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    text = p.read_text()
+    if p.suffix.lower() == ".json":
+        data = json.loads(text)
+    else:
+        import yaml
+
+        data = yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping of keys to values, got {type(data).__name__}")
+    return {k.replace("-", "_"): v for k, v in data.items()}

@@ -1,0 +1,228 @@
+"""The training run behind ``prismdp train``: load, make private, train on Poisson batches, evaluate, export.
+
+Outputs in ``cfg.output``: ``config.json`` (resolved), ``metrics.jsonl`` (one record per step), ``checkpoint.pt``
+(resumable), ``adapter/`` (stock PEFT, for the original base model), ``privacy.json`` and ``eval.json``.
+Every file is written atomically.  The per-step loss and clip fraction in ``metrics.jsonl`` are computed on the
+private training data and are *not* covered by the DP guarantee: keep them with the data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model
+
+from ..data.collate import pad_collate
+from ..engine import DEFAULT_LR, make_private
+from ..export import export_adapter
+from ..lora import RankRStart
+from ..models import load_model
+from ..privacy import split_micro_batches
+from .config import ConfigError, TrainConfig
+from .tasks import build_task_data, default_targets, evaluate_classification, model_inputs, task_head
+
+__all__ = ["train", "TrainResult", "RunExistsError"]
+
+# Keys that may differ between an interrupted run and its resumption.
+_RESUMABLE_DIFFS = {"output"}
+
+
+class RunExistsError(RuntimeError):
+    """The output folder already holds a run."""
+
+
+@dataclass
+class TrainResult:
+    summary: dict  # what summary.json holds; {"interrupted_at": step} for a stopped run
+    model: torch.nn.Module  # the trained PEFT model (on the compensated base weights)
+    tokenizer: object
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _save_torch(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _trainable_state(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _noise_generator(private):
+    return getattr(private.optimizer, "generator", None)
+
+
+def _checkpoint(private, step: int, cfg: TrainConfig) -> dict:
+    gen = _noise_generator(private)
+    return {
+        "step": step,
+        "config": cfg.to_dict(),
+        "trainable": _trainable_state(private.model),
+        "optimizer": private.optimizer.state_dict(),
+        "noise_generator": gen.get_state() if gen is not None else None,
+        "data_sampler": private.data_sampler.state_dict(),
+        "budget": private.budget.state_dict() if private.budget is not None else None,
+        "torch_rng": torch.get_rng_state(),
+        "start": private.start.state_dict() if private.start is not None else None,
+    }
+
+
+def _restore(private, ckpt: dict) -> None:
+    if private.start is not None:
+        saved = RankRStart.from_state_dict(ckpt["start"])
+        for (a, b), (a2, b2) in zip(private.start.factors, saved.factors):
+            if not (torch.allclose(a, a2, atol=1e-6) and torch.allclose(b, b2, atol=1e-6)):
+                raise RuntimeError("the rank-r start recomputed on resume differs from the checkpoint's; was the "
+                                   "base model changed? Resume with the same --model.")
+    params = dict(private.model.named_parameters())
+    with torch.no_grad():
+        for name, value in ckpt["trainable"].items():
+            params[name].copy_(value)
+    private.optimizer.load_state_dict(ckpt["optimizer"])
+    gen = _noise_generator(private)
+    if gen is not None and ckpt["noise_generator"] is not None:
+        gen.set_state(ckpt["noise_generator"])
+    private.data_sampler.load_state_dict(ckpt["data_sampler"])
+    if private.budget is not None:
+        private.budget.load_state_dict(ckpt["budget"])
+    torch.set_rng_state(ckpt["torch_rng"])
+
+
+def _check_resume(cfg: TrainConfig, ckpt: dict) -> None:
+    saved = ckpt["config"]
+    diffs = {k: (saved.get(k), v) for k, v in cfg.to_dict().items() if saved.get(k) != v and k not in _RESUMABLE_DIFFS}
+    if diffs:
+        detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diffs.items())
+        raise ConfigError(f"--resume with a different configuration ({detail}); resume with the original settings")
+
+
+def _default_lr(cfg: TrainConfig) -> float:
+    table = DEFAULT_LR[cfg.task_family]
+    if cfg.method not in table:
+        raise ConfigError(f"lr: no default learning rate for method {cfg.method!r}; pass --lr")
+    return table[cfg.method]
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, desc="train", unit="step", dynamic_ncols=True)
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = None, progress: bool = True,
+          log=print) -> TrainResult:
+    """Run (or resume) one training job; returns the final summary (privacy report and evaluation)."""
+    out = Path(cfg.output)
+    ckpt_path, metrics_path = out / "checkpoint.pt", out / "metrics.jsonl"
+    ckpt = None
+    if resume:
+        if not ckpt_path.is_file():
+            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}; start the run without --resume")
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        _check_resume(cfg, ckpt)
+    elif ckpt_path.exists() or metrics_path.exists():
+        raise RunExistsError(f"{out} already holds a run (checkpoint.pt / metrics.jsonl); pass --resume to continue "
+                             "it or choose another --output")
+    out.mkdir(parents=True, exist_ok=True)
+    lr = cfg.lr if cfg.lr is not None else _default_lr(cfg)
+
+    torch.manual_seed(cfg.seed)
+    task_type, num_labels = task_head(cfg)
+    model, tokenizer = load_model(cfg.model, task_type, num_labels)
+    data = build_task_data(cfg, tokenizer)
+    for key, count in data.notes.items():
+        if "truncated" in key or "masked" in key:
+            if count:
+                log(f"[prismdp] {key}: {count} example(s) (max_length={cfg.max_length})")
+    targets = cfg.target_modules or default_targets(model)
+    lora_cfg = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+                          task_type="SEQ_CLS" if task_type == "seq_cls" else "CAUSAL_LM")
+    model = get_peft_model(model, lora_cfg)
+    private = make_private(
+        model, method=cfg.method, lr=lr, dataset_size=len(data.train), batch_size=cfg.batch_size, steps=cfg.steps,
+        target_epsilon=cfg.epsilon if cfg.dp else None, delta=cfg.delta, max_grad_norm=cfg.max_grad_norm,
+        accountant=cfg.accountant, seed=cfg.seed, init=cfg.init, **cfg.method_kwargs,
+    )
+    resolved = {**cfg.to_dict(), "lr": lr, "target_modules": targets, "dataset_size": len(data.train),
+                "noise_multiplier": private.dp.noise_multiplier if private.dp else None,
+                "sample_rate": private.data_sampler.sample_rate, "data_notes": data.notes}
+    _write_json(out / "config.json", resolved)
+
+    step = 0
+    if ckpt is not None:
+        _restore(private, ckpt)
+        step = ckpt["step"]
+        kept = [ln for ln in metrics_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step] \
+            if metrics_path.exists() else []
+        tmp = metrics_path.with_name(".metrics.jsonl.tmp")
+        tmp.write_text("".join(ln + "\n" for ln in kept))
+        os.replace(tmp, metrics_path)
+        log(f"[prismdp] resumed from step {step}")
+
+    pad_id = tokenizer.pad_token_id
+    model.train()
+    bar = _progress(cfg.steps, step, progress)
+    with open(metrics_path, "a") as metrics:
+        for batch in private.batches():
+            t0 = time.perf_counter()
+            loss_sum, n = 0.0, 0
+            for micro in split_micro_batches(batch, cfg.micro_batch_size):
+                feats = pad_collate([data.train[i] for i in micro.tolist()], pad_id)
+                losses = data.loss(model(**model_inputs(feats)).logits, feats["labels"])
+                private.backward(losses)
+                loss_sum += float(losses.detach().sum())
+                n += losses.numel()
+            stats = private.step()
+            step += 1
+            record = {
+                "step": step,
+                "loss": loss_sum / n if n else None,
+                "epsilon": private.epsilon if private.private else None,
+                "clip_fraction": stats.get("clip_fraction"),
+                "clip_coef_mean": stats.get("clip_coef_mean"),
+                "nonfinite": stats.get("nonfinite"),
+                "batch_size": n,
+                "lr": private.optimizer.param_groups[0]["lr"],
+                "step_time_s": time.perf_counter() - t0,
+            }
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            bar.set_postfix(loss=f"{record['loss']:.4f}" if n else "-",
+                            eps=f"{record['epsilon']:.2f}" if record["epsilon"] is not None else "-",
+                            clip=f"{record['clip_fraction']:.2f}" if record["clip_fraction"] is not None else "-",
+                            s=f"{record['step_time_s']:.2f}")
+            bar.update(1)
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps or step == stop_after:
+                _save_torch(ckpt_path, _checkpoint(private, step, cfg))
+            if stop_after is not None and step >= stop_after and step < cfg.steps:
+                bar.close()
+                return TrainResult({"interrupted_at": step}, model, tokenizer)
+    bar.close()
+
+    model.eval()
+    summary: dict = {"steps": step}
+    privacy = private.privacy_report()
+    privacy.update(dataset_size=len(data.train), max_grad_norm=cfg.max_grad_norm if cfg.dp else None,
+                   method=cfg.method)
+    _write_json(out / "privacy.json", privacy)
+    summary["privacy"] = privacy
+    if data.eval_sets:
+        evals = {name: evaluate_classification(model, feats, pad_id, cfg.eval_batch_size, data.task_name)
+                 for name, feats in data.eval_sets.items()}
+        _write_json(out / "eval.json", evals)
+        summary["eval"] = evals
+    export_adapter(model, private.pairs, private.start, out / "adapter")
+    _write_json(out / "summary.json", summary)
+    return TrainResult(summary, model, tokenizer)

@@ -1,0 +1,137 @@
+"""Tasks the trainer knows: what model head they need, their tokenised data, their loss and evaluation."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from ..data import build_instruct_dataset, encode_classification, load_glue, load_instruct_json, make_synthetic_task
+from ..data.collate import pad_collate
+from ..eval.metrics import glue_metrics, main_score
+from ..losses import causal_lm_losses, classification_losses
+from .config import ConfigError, TrainConfig
+
+__all__ = ["TaskData", "task_head", "build_task_data", "evaluate_classification", "DEFAULT_TARGETS", "default_targets"]
+
+# LoRA targets per model family when --target-modules is not given (the paper's q, k, v, up, down for decoders)
+DEFAULT_TARGETS = {
+    "bert": ["query", "key", "value"],
+    "roberta": ["query", "key", "value"],
+    "distilbert": ["q_lin", "k_lin", "v_lin"],
+    "llama": ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"],
+    "mistral": ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"],
+    "qwen2": ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"],
+    "gemma": ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"],
+    "gemma2": ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"],
+    "gemma3": ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"],
+    "gemma3_text": ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"],
+}
+
+
+def default_targets(model: nn.Module) -> list[str]:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in DEFAULT_TARGETS:
+        raise ConfigError(
+            f"target_modules: no default LoRA targets for model type {model_type!r}; pass --target-modules with the "
+            "names of its attention/MLP projection layers (e.g. q_proj,v_proj)"
+        )
+    return list(DEFAULT_TARGETS[model_type])
+
+
+@dataclass
+class TaskData:
+    task_type: str  # "seq_cls" | "causal_lm"
+    train: list[dict]
+    loss: Callable[[Tensor, Tensor], Tensor]  # (logits, labels) -> (b,) per-example losses
+    eval_sets: dict[str, list[dict]] = field(default_factory=dict)
+    task_name: str | None = None  # GLUE metric name
+    notes: dict = field(default_factory=dict)  # counts of truncated / fully masked examples
+
+
+def task_head(cfg: TrainConfig) -> tuple[str, int | None]:
+    """(task_type, num_labels) the model must be loaded with."""
+    if cfg.task == "instruct":
+        return "causal_lm", None
+    if cfg.task == "synthetic":
+        return "seq_cls", 2
+    from ..data import glue_task
+
+    return "seq_cls", glue_task(cfg.task).num_labels
+
+
+def _subset(items: list, n: int | None, seed: int) -> list:
+    if n is None or n >= len(items):
+        return items
+    idx = sorted(random.Random(seed).sample(range(len(items)), n))
+    return [items[i] for i in idx]
+
+
+def build_task_data(cfg: TrainConfig, tokenizer) -> TaskData:
+    if cfg.task == "instruct":
+        if cfg.data is None:
+            raise ConfigError("data: --task instruct needs --data PATH to an LLM-Adapters JSON file "
+                              "(records with instruction, input, output), e.g. math_10k.json")
+        records = _subset(load_instruct_json(cfg.data), cfg.train_examples, cfg.seed)
+        ds = build_instruct_dataset(records, tokenizer, cfg.max_length, cfg.train_on_inputs, fully_masked="keep")
+        feats = [{k: ex[k] for k in ("input_ids", "attention_mask", "labels")} for ex in ds.examples]
+        return TaskData("causal_lm", feats, causal_lm_losses,
+                        notes={"train_examples": len(feats), "truncated": ds.n_truncated,
+                               "fully_masked": ds.n_fully_masked})
+    if cfg.task == "synthetic":
+        train_ex, test_ex = make_synthetic_task(cfg.synthetic_train, cfg.synthetic_test, seed=0)
+        evals = {"test": test_ex}
+        num_labels, task_name = 2, None
+    else:
+        from ..data import glue_task
+
+        task = glue_task(cfg.task)
+        num_labels, task_name = task.num_labels, task.name
+        train_ex = _subset(load_glue(task.name, "train", cfg.data), cfg.train_examples, cfg.seed)
+        splits = ("validation_matched", "validation_mismatched") if task.name == "mnli" else ("validation",)
+        evals = {s: load_glue(task.name, s, cfg.data) for s in splits}
+    enc = encode_classification(train_ex, tokenizer, cfg.max_length, num_labels)
+    notes = {"train_examples": len(enc.features), "truncated": enc.n_truncated}
+    eval_sets = {}
+    for name, exs in evals.items():
+        exs = exs[: cfg.eval_examples] if cfg.eval_examples else exs
+        e = encode_classification(exs, tokenizer, cfg.max_length, num_labels)
+        eval_sets[name] = e.features
+        notes[f"{name}_examples"], notes[f"{name}_truncated"] = len(e.features), e.n_truncated
+    return TaskData("seq_cls", enc.features, classification_losses, eval_sets, task_name, notes)
+
+
+def model_inputs(batch: dict) -> dict:
+    return {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+
+
+@torch.no_grad()
+def evaluate_classification(model: nn.Module, features: list[dict], pad_id: int, batch_size: int,
+                            task_name: str | None, progress=None) -> dict:
+    """Batched evaluation: accuracy (and the GLUE metrics of ``task_name``) of the argmax prediction."""
+    was_training = model.training
+    model.eval()
+    preds, golds = [], []
+    for start in range(0, len(features), batch_size):
+        batch = pad_collate(features[start : start + batch_size], pad_id)
+        logits = model(**model_inputs(batch)).logits
+        preds.append(logits.squeeze(-1) if logits.shape[-1] == 1 else logits.argmax(-1))
+        golds.append(batch["labels"])
+        if progress is not None:
+            progress.update(len(features[start : start + batch_size]))
+    model.train(was_training)
+    y_pred, y_true = torch.cat(preds), torch.cat(golds)
+    if y_pred.is_floating_point():
+        out = {}
+    else:
+        out = {"accuracy": float((y_pred == y_true).float().mean())}
+        out["majority_baseline"] = float(torch.bincount(y_true).max()) / len(y_true)
+    if task_name is not None:
+        metrics = glue_metrics(task_name if task_name != "mnli" else "mnli_matched", y_true.tolist(), y_pred.tolist())
+        out.update(metrics)
+        out["score"] = main_score(task_name if task_name != "mnli" else "mnli_matched", metrics)
+    out["n"] = len(features)
+    return out

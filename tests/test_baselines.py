@@ -1,0 +1,295 @@
+"""The paper's baselines (FFA-LoRA, LoRA+, LAMB, LoRA-RITE, and DP-AdamW) under the same DP machinery."""
+
+import math
+
+import pytest
+import torch
+
+from helpers import net_batch, tiny_net
+from prismdp.engine import DEFAULT_LR, METHODS, make_private
+from prismdp.grad_sample import GradSampler
+from prismdp.lora import LoraSetupError, find_lora_pairs, get_factors, move_to_rank_r_start, set_factors
+from prismdp.losses import classification_losses
+from prismdp.optim import DPFactorOptimizer, Lamb, dp_adamw, dp_ffa, dp_lora_plus, dp_lora_rite
+from prismdp.privacy.clipping import DPConfig
+
+C = 0.5
+BASELINES = ["dp-adamw", "ffa", "lora-plus", "lamb", "lora-rite"]
+
+
+def rule_task(N=256, seed=0):
+    """A learnable 3-class rule on tiny_net inputs: the argmax of a fixed linear map of the token mean."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, 5, 10, generator=g)
+    return x, (x.mean(1) @ torch.randn(10, 3, generator=g)).argmax(1)
+
+
+def randomise_lora_B(model, seed=5, scale=0.3):
+    """Non-zero lora_B, so that lora_A has a non-zero gradient (PEFT starts from lora_B = 0)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pair in find_lora_pairs(model):
+            w = pair.lora_B.weight
+            w.copy_(torch.randn(w.shape, generator=g, dtype=w.dtype) * scale)
+
+
+def private_setup(method, sigma=0.0, b=4.0, noise_seed=1, clip=C):
+    """The method's optimizer exactly as make_private builds it (prepare, pair discovery, builder)."""
+    model = tiny_net(seed=1)
+    randomise_lora_B(model)
+    spec = METHODS[method]
+    if spec.prepare is not None:
+        spec.prepare(model, "default")
+    pairs = find_lora_pairs(model, trainable=spec.trainable)
+    sampler = GradSampler(model, pairs)
+    opt = spec.build(pairs, sampler.dense_params, lr=1e-2, dp=DPConfig(sigma, clip, b),
+                     generator=torch.Generator().manual_seed(noise_seed), budget=None)
+    assert isinstance(opt, DPFactorOptimizer)
+    return model, pairs, sampler, opt
+
+
+def per_example(model, sampler, x, y):
+    with sampler.record() as rec:
+        classification_losses(model(x), y).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return sampler.grads(rec)
+
+
+def delta_weights(pairs):
+    return torch.cat([pair.layer.get_delta_weight("default").detach().flatten() for pair in pairs])
+
+
+# ------------------------------------------------------------------------------------------ every method
+
+
+@pytest.mark.parametrize("method,lr", [("dp-adamw", 1e-2), ("ffa", 3e-2), ("lora-plus", 1e-2), ("lamb", 5e-2),
+                                       ("lora-rite", 1e-2)])
+def test_nonprivate_variant_learns_a_rule(method, lr):
+    x, y = rule_task()
+    model = tiny_net(seed=0)
+    run = make_private(model, method=method, lr=lr, dataset_size=len(x), batch_size=64, steps=40, seed=0)
+    assert not run.private and not isinstance(run.optimizer, DPFactorOptimizer)
+    z0 = delta_weights(run.pairs)
+    with torch.no_grad():
+        before = classification_losses(model(x), y).mean().item()
+    for batch in run.batches():
+        run.backward(classification_losses(model(x[batch]), y[batch]))
+        run.step()
+    with torch.no_grad():
+        after = classification_losses(model(x), y).mean().item()
+    assert after < 0.75 * before, (before, after)
+    assert torch.isfinite(delta_weights(run.pairs)).all()
+    assert (delta_weights(run.pairs) - z0).norm() > 1e-2  # the LoRA update itself moved
+
+
+@pytest.mark.parametrize("method", BASELINES)
+def test_private_clip_is_per_example_global_L2_on_the_trained_tensors(method):
+    """Each example's sum contribution is min(1, C / ||g_i||) g_i, g_i = autograd gradient of exactly the trained
+    tensors (FFA: lora_B and dense, never the frozen lora_A); hence its norm is <= C (= C when clipped)."""
+    clip = 1.4  # the examples here have norms ~1-2: some are clipped, some are not
+    model, pairs, sampler, opt = private_setup(method, clip=clip)
+    trained = opt._params()
+    assert len(trained) == len(sampler.dense_params) + len(pairs) * (1 if method == "ffa" else 2)
+    x, y = net_batch(4, seed=3)
+    clipped = []
+    for i in range(4):
+        classification_losses(model(x[i : i + 1]), y[i : i + 1]).sum().backward()
+        ref = [p.grad.detach().clone() for p in trained]
+        model.zero_grad(set_to_none=True)
+        ref_norm = math.sqrt(sum(float(g.square().sum()) for g in ref))
+        opt._sums = None
+        opt.accumulate(per_example(model, sampler, x[i : i + 1], y[i : i + 1]))
+        coef = min(1.0, clip / ref_norm)
+        for s, g in zip(opt._sums, ref):
+            torch.testing.assert_close(s, coef * g, rtol=1e-4, atol=1e-7)
+        norm = math.sqrt(sum(float(s.square().sum()) for s in opt._sums))
+        assert norm <= clip * (1 + 1e-5)
+        clipped.append(coef < 1)
+    assert any(clipped) and not all(clipped)
+
+
+@pytest.mark.parametrize("method", BASELINES)
+def test_private_noise_has_std_sigma_C_over_b_on_every_trained_coordinate(method):
+    sigma, b, draws = 2.0, 8.0, 200
+    model, pairs, sampler, opt = private_setup(method, sigma=sigma, b=b)
+    tau = sigma * C / b
+    trained = opt._params()
+    grads = []
+    for _ in range(draws):  # nothing accumulated: the released gradient is noise / b
+        opt.step()
+        grads.append(torch.cat([p.grad.flatten() for p in trained]))
+    g = torch.stack(grads)
+    assert g.std().item() == pytest.approx(tau, rel=0.03)
+    assert abs(g.mean().item()) < 5 * tau / math.sqrt(g.numel())
+    per_coord = g.std(0) / tau
+    assert per_coord.min() > 0.75 and per_coord.max() < 1.25  # every coordinate is noised, at the same scale
+    if method == "ffa":
+        assert all(pair.lora_A.weight.grad is None for pair in pairs)  # the frozen factor gets no noise
+
+
+def test_epsilon_is_identical_across_all_methods():
+    x, y = rule_task(N=200)
+    reports = {}
+    for method in sorted(METHODS):
+        model = tiny_net(seed=0)
+        run = make_private(model, method=method, lr=1e-3, dataset_size=200, batch_size=20, steps=4,
+                           target_epsilon=3.0, delta=1e-5, max_grad_norm=C, seed=0)
+        for batch in run.batches():
+            run.backward(classification_losses(model(x[batch]), y[batch]))
+            run.step()
+        rep = run.privacy_report()
+        assert rep["method"] == method and rep["epsilon"] == run.epsilon
+        reports[method] = {k: v for k, v in rep.items() if k != "method"}
+    assert set(reports) >= set(BASELINES) | {"prism"}
+    first = reports["prism"]
+    assert first["steps"] == 4 and 0 < first["epsilon"] <= 3.0
+    for method, rep in reports.items():
+        assert rep == first, method
+
+
+def test_default_learning_rates_cover_every_method():
+    for family, lrs in DEFAULT_LR.items():
+        assert set(lrs) == set(METHODS), family
+        assert lrs["lamb"] == 5e-3
+        other = {2e-4, 3e-4}
+        assert all(lr in other for m, lr in lrs.items() if m != "lamb")
+    assert DEFAULT_LR["glue"]["lora-rite"] == 2e-4 and DEFAULT_LR["math"]["prism"] == 3e-4
+
+
+# ------------------------------------------------------------------------------------------ FFA-LoRA
+
+
+def test_ffa_trains_B_only_and_never_moves_A():
+    x, y = rule_task(N=128)
+    for noise in (None, 1.0):
+        model = tiny_net(seed=0)
+        run = make_private(model, method="ffa", lr=1e-2, dataset_size=128, batch_size=32, steps=6,
+                           noise_multiplier=noise, max_grad_norm=C, seed=0)
+        A0 = [pair.lora_A.weight.detach().clone() for pair in run.pairs]
+        B0 = [pair.lora_B.weight.detach().clone() for pair in run.pairs]
+        assert all(not pair.trains_A and not pair.lora_A.weight.requires_grad for pair in run.pairs)
+        assert all(a.abs().sum() > 0 for a in A0)  # PEFT's random init, kept
+        for batch in run.batches():
+            run.backward(classification_losses(model(x[batch]), y[batch]))
+            run.step()
+        for pair, a0, b0 in zip(run.pairs, A0, B0):
+            assert torch.equal(pair.lora_A.weight, a0)
+            assert not torch.equal(pair.lora_B.weight, b0)
+
+
+def test_frozen_A_pairs_need_frozen_A_and_carry_no_A_gradient():
+    model = tiny_net()
+    with pytest.raises(LoraSetupError, match="freeze_lora_A"):
+        find_lora_pairs(model, trainable="B")
+    with pytest.raises(ValueError, match="frozen lora_A|trainable lora_A"):
+        dp_ffa(find_lora_pairs(model), dp=None)
+    METHODS["ffa"].prepare(model, "default")
+    with pytest.raises(LoraSetupError, match="no trainable"):
+        find_lora_pairs(model, trainable="both")  # no pair has two trainable factors any more
+    pairs = find_lora_pairs(model, trainable="B")
+    assert [p.trained_params for p in pairs] == [(p.lora_B.weight,) for p in pairs]
+    sampler = GradSampler(model, pairs)
+    x, y = net_batch(3)
+    grads = per_example(model, sampler, x, y)
+    assert all(g_wa is None and g_wb.shape[0] == 3 for g_wb, g_wa in grads.lora)
+    with pytest.raises(ValueError, match="frozen lora_A"):
+        dp_lora_rite(pairs, dp=None)
+
+
+# ------------------------------------------------------------------------------------------ LoRA+
+
+
+def test_lora_plus_lr_ratio_in_groups_and_in_the_first_step():
+    lr, ratio = 1e-3, 6.0
+    model = tiny_net(seed=2)
+    randomise_lora_B(model)
+    pairs = find_lora_pairs(model)
+    sampler = GradSampler(model, pairs)
+    opt = dp_lora_plus(pairs, sampler.dense_params, lr=lr, dp=None)
+    assert {g["name"]: g["lr"] for g in opt.param_groups} == {"lora_A": lr, "lora_B": ratio * lr, "dense": lr}
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    x, y = net_batch(8, seed=4)
+    classification_losses(model(x), y).mean().backward()
+    opt.step()
+    step = {n: (p.detach() - before[n]).abs() for n, p in model.named_parameters() if n in before}
+    # Adam's first step moves every coordinate by ~lr (g / (|g| + eps)): the realised step sizes show the ratio
+    a = torch.cat([s.flatten() for n, s in step.items() if "lora_A" in n]).median().item()
+    b = torch.cat([s.flatten() for n, s in step.items() if "lora_B" in n]).median().item()
+    d = torch.cat([s.flatten() for n, s in step.items() if "lora" not in n]).median().item()
+    assert a == pytest.approx(lr, rel=1e-3) and d == pytest.approx(lr, rel=1e-3)
+    assert b == pytest.approx(ratio * lr, rel=1e-3)
+    # the kwarg reaches the builder through make_private
+    run = make_private(tiny_net(), method="lora-plus", lr=lr, dataset_size=10, batch_size=2, steps=1,
+                       loraplus_ratio=4.0)
+    assert sorted(g["lr"] for g in run.optimizer.param_groups) == [lr, lr, 4 * lr]
+
+
+# ------------------------------------------------------------------------------------------ LAMB
+
+
+def test_lamb_trust_ratio_on_a_hand_computed_case():
+    lr, eps, wd = 0.1, 1e-6, 0.01
+    f64 = dict(dtype=torch.float64)
+    w = torch.nn.Parameter(torch.tensor([3.0, 4.0], **f64))  # ||w|| = 5
+    zero = torch.nn.Parameter(torch.zeros(2, **f64))  # ||w|| = 0: trust ratio 1
+    decay_only = torch.nn.Parameter(torch.tensor([1.0, 0.0], **f64))  # zero gradient, weight decay only
+    idle = torch.nn.Parameter(torch.tensor([1.0, 2.0], **f64))  # zero gradient, no decay: ||u|| = 0, no move
+    opt = Lamb([{"params": [w, zero, decay_only]}, {"params": [idle], "weight_decay": 0.0}],
+               lr=lr, eps=eps, weight_decay=wd)
+    w.grad = torch.tensor([1.0, -2.0], **f64)
+    zero.grad = torch.tensor([0.5, 0.25], **f64)
+    decay_only.grad = torch.zeros(2, **f64)
+    idle.grad = torch.zeros(2, **f64)
+    opt.step()
+    # first step with bias correction: m_hat = g, v_hat = g^2, so u = g / (|g| + eps) + wd w
+    u = torch.tensor([1 / (1 + eps), -2 / (2 + eps)], **f64) + wd * torch.tensor([3.0, 4.0], **f64)
+    expected = torch.tensor([3.0, 4.0], **f64) - lr * (5.0 / u.norm()) * u
+    torch.testing.assert_close(w.detach(), expected, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(zero.detach(), -lr * torch.tensor([0.5 / (0.5 + eps), 0.25 / (0.25 + eps)], **f64))
+    # u = wd w, trust ratio ||w|| / ||wd w|| = 1 / wd: the step is lr w, whatever wd
+    torch.testing.assert_close(decay_only.detach(), torch.tensor([1.0 - lr, 0.0], **f64))
+    torch.testing.assert_close(idle.detach(), torch.tensor([1.0, 2.0], **f64))
+    assert float(Lamb.trust_ratio(torch.zeros(3), torch.ones(3))) == 1.0
+    assert float(Lamb.trust_ratio(torch.ones(4), torch.zeros(4))) == 1.0
+    assert float(Lamb.trust_ratio(torch.full((4,), 3.0), torch.ones(4))) == pytest.approx(3.0)
+
+
+# ------------------------------------------------------------------------------------------ LoRA-RITE
+
+
+def _gauge_transform(pairs, seed):
+    """(A, B) -> (A R, B R^-T) with a random invertible R per pair: Z is unchanged."""
+    g = torch.Generator().manual_seed(seed)
+    for pair in pairs:
+        A, B = get_factors(pair, torch.float64)
+        r = A.shape[1]
+        R = torch.randn(r, r, generator=g, dtype=torch.float64) + 2 * torch.eye(r, dtype=torch.float64)
+        set_factors(pair, A @ R, B @ torch.linalg.inv(R).T)
+
+
+def _z_trajectory(build, gauge, steps=8, **kw):
+    x, y = net_batch(16, seed=9, dtype=torch.float64)
+    model = tiny_net(dtype=torch.float64, head=False)
+    pairs = find_lora_pairs(model)
+    move_to_rank_r_start(pairs, init="random", init_scale=0.3, generator=torch.Generator().manual_seed(3))
+    if gauge:
+        _gauge_transform(pairs, seed=11)
+    opt = build(pairs, [], lr=0.02, dp=None, **kw)
+    traj = [delta_weights(pairs)]
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        classification_losses(model(x), y).mean().backward()
+        opt.step()
+        traj.append(delta_weights(pairs))
+    return torch.stack(traj)
+
+
+@pytest.mark.parametrize("kw", [{}, {"clip_unmagnified_grad": 1e-3, "update_cap": 0.5}])
+def test_lora_rite_Z_trajectory_is_invariant_to_the_factorisation(kw):
+    plain, gauged = _z_trajectory(dp_lora_rite, False, **kw), _z_trajectory(dp_lora_rite, True, **kw)
+    torch.testing.assert_close(plain[0], gauged[0], rtol=1e-12, atol=1e-13)  # the same Z to begin with
+    assert (plain[-1] - plain[0]).norm() > 1e-2  # it moved
+    torch.testing.assert_close(plain, gauged, rtol=1e-9, atol=1e-11)
+    # the test has power: AdamW from the same two factorisations leaves the same Z on different paths
+    adam, adam_gauged = _z_trajectory(dp_adamw, False), _z_trajectory(dp_adamw, True)
+    assert (adam[-1] - adam_gauged[-1]).norm() > 0.1 * (adam[-1] - adam[0]).norm()

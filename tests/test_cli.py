@@ -1,0 +1,147 @@
+"""`prismdp train` / `prismdp epsilon` end to end on tiny models."""
+
+import json
+
+import pytest
+import torch
+
+from prismdp.cli import main
+from prismdp.privacy import calibrate_sigma, epsilon
+from prismdp.train.config import ConfigError, TrainConfig
+from prismdp.train.loop import RunExistsError, train
+
+
+def tiny_cfg(model_dir, out, **kw):
+    base = dict(model=model_dir, task="synthetic", synthetic_train=96, synthetic_test=32, steps=4, batch_size=16,
+                micro_batch_size=8, rank=4, alpha=8, lr=5e-3, max_length=32, output=str(out), epsilon=3.0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_epsilon_command_matches_the_library(capsys):
+    assert main(["epsilon", "--sigma", "1.1", "--sample-rate", "0.02", "--steps", "300", "--delta", "1e-5"]) == 0
+    assert float(capsys.readouterr().out) == pytest.approx(epsilon(1.1, 0.02, 300, 1e-5), rel=1e-5)
+    assert main(["epsilon", "--target-epsilon", "3", "--sample-rate", "0.02", "--steps", "300",
+                 "--accountant", "rdp"]) == 0
+    sigma = float(capsys.readouterr().out)
+    assert sigma == pytest.approx(calibrate_sigma(3.0, 1e-5, 0.02, 300, accountant="rdp"), rel=1e-5)
+    assert epsilon(sigma, 0.02, 300, 1e-5, accountant="rdp") <= 3.0
+
+
+@pytest.mark.parametrize("method", ["prism", "dp-adamw"])
+def test_train_writes_a_stock_peft_adapter_that_reproduces_the_model(tiny_bert_dir, tmp_path, method):
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    out = tmp_path / "run"
+    res = train(tiny_cfg(tiny_bert_dir, out, method=method), progress=False, log=lambda *a: None)
+    for name in ("config.json", "metrics.jsonl", "privacy.json", "eval.json", "checkpoint.pt",
+                 "adapter/adapter_config.json", "adapter/adapter_model.safetensors"):
+        assert (out / name).is_file(), name
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(k in records[0] for k in ("loss", "epsilon", "clip_fraction", "step_time_s"))
+    assert records[-1]["epsilon"] == pytest.approx(json.loads((out / "privacy.json").read_text())["epsilon"])
+
+    # a stock PEFT load on the ORIGINAL base model reproduces the trained model's logits
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_bert_dir, num_labels=2)
+    loaded = PeftModel.from_pretrained(base, out / "adapter").eval()
+    res.model.eval()
+    ids = torch.randint(1000, 5000, (3, 12))
+    with torch.no_grad():
+        diff = (loaded(input_ids=ids).logits - res.model(input_ids=ids).logits).abs().max().item()
+    assert diff < 1e-4
+    cfg = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert cfg["r"] == (8 if method == "prism" else 4)  # PRISM exports Z - Z0 at rank 2r
+
+
+def test_privacy_report_agrees_with_epsilon_command(tiny_bert_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--model", tiny_bert_dir, "--steps", "3", "--batch-size", "16", "--micro-batch-size", "8",
+                 "--rank", "4", "--max-length", "32", "--output", str(out), "--quiet", "--epsilon", "2",
+                 "--seed", "1"]) == 0
+    rep = json.loads((out / "privacy.json").read_text())
+    for key in ("epsilon", "delta", "noise_multiplier", "sample_rate", "steps", "dataset_size", "accountant",
+                "max_grad_norm", "method"):
+        assert key in rep
+    assert rep["steps"] == 3 and rep["method"] == "prism" and rep["epsilon"] <= 2.0
+    capsys.readouterr()
+    main(["epsilon", "--sigma", str(rep["noise_multiplier"]), "--sample-rate", str(rep["sample_rate"]),
+          "--steps", "3", "--delta", str(rep["delta"])])
+    assert float(capsys.readouterr().out) == pytest.approx(rep["epsilon"], rel=1e-5)
+
+
+def test_interrupted_then_resumed_equals_uninterrupted(tiny_bert_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    quiet = dict(progress=False, log=lambda *a: None)
+    full = tmp_path / "full"
+    train(tiny_cfg(tiny_bert_dir, full, steps=6, dropout=0.1), **quiet)
+    part = tmp_path / "part"
+    res = train(tiny_cfg(tiny_bert_dir, part, steps=6, dropout=0.1), stop_after=3, **quiet)
+    assert res.summary == {"interrupted_at": 3}
+    assert not (part / "privacy.json").exists()
+    with pytest.raises(RunExistsError):
+        train(tiny_cfg(tiny_bert_dir, part, steps=6, dropout=0.1), **quiet)
+    with pytest.raises(ConfigError, match="steps"):
+        train(tiny_cfg(tiny_bert_dir, part, steps=7, dropout=0.1), resume=True, **quiet)
+    train(tiny_cfg(tiny_bert_dir, part, steps=6, dropout=0.1), resume=True, **quiet)
+    assert json.loads((part / "privacy.json").read_text()) == json.loads((full / "privacy.json").read_text())
+    a = load_file(full / "adapter" / "adapter_model.safetensors")
+    b = load_file(part / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+    lines = (part / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == list(range(1, 7))
+
+
+def test_config_file_and_flag_precedence(tiny_bert_dir, tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(f"model: {tiny_bert_dir}\nsteps: 2\nrank: 4\nbatch-size: 16\nmax_length: 32\n"
+                        f"synthetic_train: 64\nsynthetic_test: 16\noutput: {tmp_path / 'r'}\nlr: 0.001\n")
+    assert main(["train", "--config", str(cfg_file), "--steps", "3", "--quiet"]) == 0
+    resolved = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert resolved["steps"] == 3 and resolved["rank"] == 4 and resolved["lr"] == 0.001
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"stepz": 3}))
+    assert main(["train", "--config", str(bad)]) == 2
+
+
+def test_no_dp_run(tiny_bert_dir, tmp_path):
+    res = train(tiny_cfg(tiny_bert_dir, tmp_path / "r", dp=False), progress=False, log=lambda *a: None)
+    rep = json.loads((tmp_path / "r" / "privacy.json").read_text())
+    assert rep["private"] is False
+    assert "test" in res.summary["eval"]
+
+
+def test_glue_tsv_run_and_bad_files(tiny_bert_dir, tmp_path, shared_data):
+    res = train(tiny_cfg(tiny_bert_dir, tmp_path / "g", task="sst2", data=str(shared_data / "glue"),
+                         train_examples=64, eval_examples=40), progress=False, log=lambda *a: None)
+    ev = res.summary["eval"]["validation"]
+    assert ev["n"] == 40 and "accuracy" in ev and "score" in ev
+    # bad data: wrong columns, labels outside the task's set, empty file -> clear errors before training
+    for content, match in [("text\tlabel\nhello\t1\n", "column"), ("sentence\tlabel\nhello\t7\n", "label"),
+                           ("sentence\tlabel\n", "empty|no ")]:
+        d = tmp_path / "bad" / "SST-2"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "train.tsv").write_text(content)
+        (d / "dev.tsv").write_text("sentence\tlabel\nfine\t1\n")
+        with pytest.raises(ValueError, match=match):
+            train(tiny_cfg(tiny_bert_dir, tmp_path / f"b{len(content)}", task="sst2", data=str(tmp_path / "bad")),
+                  progress=False, log=lambda *a: None)
+    assert main(["train", "--model", tiny_bert_dir, "--task", "sst2", "--data", str(tmp_path / "nowhere"),
+                 "--output", str(tmp_path / "x"), "--quiet"]) == 2
+
+
+def test_instruct_run_counts_truncation(tiny_llama_dir, tmp_path, shared_data):
+    logs = []
+    res = train(tiny_cfg(tiny_llama_dir, tmp_path / "i", task="instruct", data=str(shared_data / "math" / "math_10k.json"),
+                         train_examples=24, max_length=48, batch_size=8, micro_batch_size=4, steps=2),
+                progress=False, log=logs.append)
+    notes = json.loads((tmp_path / "i" / "config.json").read_text())["data_notes"]
+    assert notes["train_examples"] == 24 and notes["truncated"] > 0
+    assert any("truncated" in line for line in logs)
+    assert res.summary["privacy"]["steps"] == 2
+    with pytest.raises(ConfigError, match="--data"):
+        train(tiny_cfg(tiny_llama_dir, tmp_path / "j", task="instruct"), progress=False, log=lambda *a: None)
