@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"train": _cmd_train, "epsilon": _cmd_epsilon}[args.command](args)
-    except (ValueError, FileNotFoundError, BudgetExhaustedError, ModelLoadError, RunExistsError) as e:  # no traceback
+    except (ValueError, ImportError, FileNotFoundError, BudgetExhaustedError, ModelLoadError, RunExistsError) as e:  # no traceback
         print(f"prismdp {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -338,7 +338,7 @@ def _load_from_hub(task: GlueTask, split: str) -> List[Example]:
         ds = datasets.load_dataset(HF_DATASET_ID, task.name, split=split)
     except Exception as e:
         offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE")
-        raise RuntimeError(
+        raise GlueDataError(
             f"could not load GLUE {task.name}/{split} from the Hugging Face Hub ({HF_DATASET_ID}): "
             f"{type(e).__name__}: {e}. "
             + ("HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set. " if offline else "")
