@@ -292,3 +292,18 @@ def test_dp_adamw_matches_opacus_clipping_and_noise():
     noise_opacus = torch.cat([(opacus(sigma)[0][n] - g_opacus[n]).flatten() for _ in range(20) for n in g_ours])
     assert noise_ours.std().item() == pytest.approx(sigma * C / b, rel=0.05)
     assert noise_opacus.std().item() == pytest.approx(sigma * C / b, rel=0.05)
+
+
+def test_exhausted_budget_is_refused_before_noise():
+    from prismdp.privacy import BudgetExhaustedError, PrivacyBudget
+
+    model, pairs, sampler, opt = setup_prism(sigma=1.0)
+    budget = PrivacyBudget(1.0, 0.1, 1e-5, target_epsilon=1.0)
+    budget.record_step(budget.steps_allowed)  # everything spent
+    opt.budget = budget
+    x, y = net_batch(4)
+    opt.accumulate(per_example(model, sampler, x, y))
+    gen_state = opt.generator.get_state()
+    with pytest.raises(BudgetExhaustedError, match="privacy budget exhausted"):
+        opt.step()
+    assert torch.equal(opt.generator.get_state(), gen_state)

@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TrainConfig", "ConfigError", "load_config_file", "GLUE_TASKS", "TASKS"]
+__all__ = ["TrainConfig", "ConfigError", "load_config_file", "GLUE_TASKS", "TASKS", "CAUSAL_TASKS"]
 
 GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte")
-TASKS = ("synthetic", "instruct", *GLUE_TASKS)
+TASKS = ("synthetic", "instruct", "glue8", *GLUE_TASKS)
+CAUSAL_TASKS = ("instruct", "glue8")  # trained as causal LMs, evaluated by generation (eval_tasks)
 
 
 class ConfigError(ValueError):
@@ -21,7 +22,7 @@ class ConfigError(ValueError):
 @dataclass
 class TrainConfig:
     model: str | None = None  # local folder, hub id or .gguf file; None = the packaged default for the task
-    task: str = "synthetic"  # synthetic (built-in), instruct (LLM-Adapters JSON) or a GLUE task name
+    task: str = "synthetic"  # synthetic (built-in), instruct (LLM-Adapters JSON), glue8 (mixture) or a GLUE task
     data: str | None = None  # GLUE folder / LLM-Adapters JSON file; None = built-in (synthetic) or hub (GLUE)
     method: str = "prism"
     dp: bool = True
@@ -49,6 +50,13 @@ class TrainConfig:
     checkpoint_every: int = 50
     output: str = "runs/prismdp"
     method_kwargs: dict[str, Any] = field(default_factory=dict)
+    # generation-based evaluation of causal-LM tasks (instruct, glue8); see prismdp.eval.generation
+    eval_tasks: list[str] | None = None  # gsm8k,aqua,mawps,svamp,cola,...,rte or the groups math / glue8;
+    #                                      None = glue8's eight tasks for task glue8, nothing for instruct
+    eval_data: str | None = None  # folder of the test files; None = data (glue8) / the folder of data (instruct)
+    max_new_tokens: int | None = None  # None = 8 for GLUE labels, 256 for math (LLM-Adapters)
+    aqua_rule: str = "first"  # AQuA letter rule: first (upstream LLM-Adapters), last, prism
+    glue8_per_task: int = 1250  # task glue8: training examples per GLUE task (the paper's 1,250)
 
     def __post_init__(self):
         def bad(key, msg):
@@ -77,10 +85,25 @@ class TrainConfig:
             bad("accountant", f"must be 'prv' or 'rdp', got {self.accountant!r}")
         if self.init not in ("spectral", "random"):
             bad("init", f"must be 'spectral' or 'random', got {self.init!r}")
-        for key in ("train_examples", "eval_examples"):
+        for key in ("train_examples", "eval_examples", "max_new_tokens"):
             v = getattr(self, key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 bad(key, f"must be a positive integer or null, got {v!r}")
+        if isinstance(self.glue8_per_task, bool) or not isinstance(self.glue8_per_task, int) or self.glue8_per_task < 1:
+            bad("glue8_per_task", f"must be a positive integer, got {self.glue8_per_task!r}")
+        from ..eval.answers import AQUA_RULES
+        from ..eval.generation import expand_eval_tasks
+
+        if self.aqua_rule not in AQUA_RULES:
+            bad("aqua_rule", f"must be one of {', '.join(AQUA_RULES)}, got {self.aqua_rule!r}")
+        if self.eval_tasks is not None:
+            if self.task not in CAUSAL_TASKS:
+                bad("eval_tasks", f"applies to the causal-LM tasks {', '.join(CAUSAL_TASKS)} (generation-based "
+                                  f"evaluation), not to task {self.task!r}")
+            try:
+                self.eval_tasks = expand_eval_tasks(self.eval_tasks)
+            except ValueError as e:
+                bad("eval_tasks", str(e))
         if isinstance(self.target_modules, str):
             self.target_modules = [t.strip() for t in self.target_modules.split(",") if t.strip()]
         if self.target_modules is not None and not self.target_modules:
@@ -90,7 +113,7 @@ class TrainConfig:
     @property
     def task_family(self) -> str:
         """'math' for instruction tuning (the paper's Math-10K rates), 'glue' otherwise."""
-        return "math" if self.task == "instruct" else "glue"
+        return "math" if self.task == "instruct" else "glue"  # glue8 trains at the GLUE rates
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -107,7 +130,7 @@ class TrainConfig:
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML or JSON mapping of TrainConfig keys (dashes or underscores)."""
     p = Path(path)
-    if not p.is_file():
+    if not p.exists() or p.is_dir():
         raise ConfigError(f"config file {str(p)!r} does not exist")
     text = p.read_text()
     if p.suffix.lower() == ".json":

@@ -1,0 +1,74 @@
+"""make_private: validation before any budget is spent, private and non-private runs through one API."""
+
+import pytest
+import torch
+
+from helpers import net_batch, tiny_net
+from prismdp.engine import METHODS, make_private
+from prismdp.losses import classification_losses
+from prismdp.privacy import split_micro_batches
+
+
+def _run(private, model, X, Y, micro=4):
+    for batch in private.batches():
+        for mb in split_micro_batches(batch, micro):
+            private.backward(classification_losses(model(X[mb]), Y[mb]))
+        private.step()
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_runs_private_and_spends_the_same_budget(method):
+    X, Y = net_batch(64, seed=1)
+    model = tiny_net(seed=0)
+    private = make_private(model, method=method, lr=1e-2, dataset_size=64, batch_size=8, steps=5,
+                           target_epsilon=4.0, seed=3)
+    _run(private, model, X, Y)
+    rep = private.privacy_report()
+    assert rep["steps"] == 5 and rep["epsilon"] <= 4.0 and rep["method"] == method
+    ref = make_private(tiny_net(seed=0), method="prism", lr=1e-2, dataset_size=64, batch_size=8, steps=5,
+                       target_epsilon=4.0, seed=3)
+    assert ref.dp.noise_multiplier == private.dp.noise_multiplier
+
+
+def test_nonprivate_prism_learns():
+    X, Y = net_batch(128, seed=2)
+    Y = (X[:, :, 0].mean(1) > 0).long()
+    model = tiny_net(seed=0)
+    private = make_private(model, method="prism", lr=2e-2, dataset_size=128, batch_size=32, steps=60, seed=0)
+    assert not private.private and private.epsilon == float("inf")
+    with torch.no_grad():
+        before = classification_losses(model(X), Y).mean().item()
+    _run(private, model, X, Y, micro=16)
+    with torch.no_grad():
+        after = classification_losses(model(X), Y).mean().item()
+    assert after < 0.6 * before
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(method="sgd"), "unknown method"),
+        (dict(batch_size=0), "batch_size"),
+        (dict(steps=0), "steps"),
+        (dict(dataset_size=0), "dataset_size"),
+        (dict(target_epsilon=3.0, noise_multiplier=1.0), "not both"),
+        (dict(target_epsilon=1e-4), "unreachable"),
+    ],
+)
+def test_bad_input_fails_before_anything_is_spent(kwargs, match):
+    base = dict(method="prism", lr=1e-2, dataset_size=64, batch_size=8, steps=5, target_epsilon=3.0)
+    base.update(kwargs)
+    model = tiny_net()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=match):
+        make_private(model, **base)
+    for n, p in model.named_parameters():  # nothing was modified (no rank-r start, no step)
+        assert torch.equal(before[n], p)
+
+
+def test_per_example_losses_must_be_a_vector():
+    model = tiny_net()
+    private = make_private(model, lr=1e-2, dataset_size=64, batch_size=8, steps=2, target_epsilon=3.0)
+    X, Y = net_batch(4)
+    with pytest.raises(ValueError, match="per-example losses"):
+        private.backward(classification_losses(model(X), Y).mean())
