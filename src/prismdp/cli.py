@@ -3,6 +3,7 @@
     prismdp train [--config FILE] [flags]      DP LoRA fine-tuning (default: PRISM, MiniLM, built-in task, eps 3)
     prismdp epsilon --sigma S --sample-rate Q --steps T [--delta D]        epsilon of a run
     prismdp epsilon --target-epsilon E --sample-rate Q --steps T           calibrated sigma
+    prismdp experiment CONFIG.yaml [--output OUT] [--set KEY=VALUE ...]    a grid of runs + Table-2 style tables
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def _add_train(sub) -> None:
                        description="Flags override --config; unset keys take TrainConfig's defaults.")
     p.add_argument("--config", help="YAML or JSON file with the same keys as the flags")
     p.add_argument("--model", help="local folder, hub id or .gguf file (default: packaged MiniLM / SmolLM2)")
-    p.add_argument("--task", help="synthetic (built-in, default), instruct, or a GLUE task (sst2, cola, mrpc, ...)")
+    p.add_argument("--task", help="synthetic (built-in, default), instruct, glue8, or a GLUE task (sst2, cola, ...)")
     p.add_argument("--data", help="GLUE folder or LLM-Adapters JSON file")
     p.add_argument("--method", help="prism (default), dp-adamw, ...")
     p.add_argument("--no-dp", dest="dp", action="store_false", help="non-private run with the same method")
@@ -44,6 +45,12 @@ def _add_train(sub) -> None:
     p.add_argument("--init", choices=["spectral", "random"], help="PRISM's rank-r start")
     p.add_argument("--train-examples", dest="train_examples", type=int, help="seeded subset of the training set")
     p.add_argument("--eval-examples", dest="eval_examples", type=int)
+    p.add_argument("--eval-tasks", dest="eval_tasks", type=_csv,
+                   help="causal-LM tasks: generation eval sets, e.g. math (gsm8k,aqua,mawps,svamp) or glue8 / cola,...")
+    p.add_argument("--eval-data", dest="eval_data", help="folder of the eval sets (default: next to --data)")
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, help="generation length (8 GLUE, 256 math)")
+    p.add_argument("--aqua-rule", dest="aqua_rule", choices=["first", "last", "prism"],
+                   help="AQuA letter rule (default first = upstream LLM-Adapters)")
     p.add_argument("--checkpoint-every", dest="checkpoint_every", type=int)
     p.add_argument("--output", help="run folder (default runs/prismdp)")
     p.add_argument("--resume", action="store_true", help="continue the run in --output from its checkpoint")
@@ -62,11 +69,40 @@ def _add_epsilon(sub) -> None:
     p.add_argument("--accountant", choices=["prv", "rdp"], default="prv")
 
 
+def _add_experiment(sub) -> None:
+    p = sub.add_parser("experiment", help="run a grid (methods x epsilons x tasks x seeds) and tabulate it",
+                       description="Trains every cell of the grid in CONFIG into OUT/<cell id>/ (finished cells are "
+                                   "skipped, interrupted ones resumed) and writes OUT/results.csv, results.md and "
+                                   "results.tex. See prismdp.experiment.grid for the file format.")
+    p.add_argument("config", help="experiment YAML/JSON file (e.g. configs/paper-gemma3-4b.yaml)")
+    p.add_argument("--output", help="OUT folder (default: the file's `output`)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a TrainConfig key in every cell (repeatable), e.g. --set steps=2")
+    p.add_argument("--tasks", type=_csv, help="only these grid task ids")
+    p.add_argument("--methods", type=_csv, help="only these methods")
+    p.add_argument("--privacy", type=_csv, help="only these settings (e.g. 3,non-dp)")
+    p.add_argument("--seeds", type=_csv, help="only these seeds")
+    p.add_argument("--dry-run", action="store_true", help="list the selected cells and whether they are done")
+    p.add_argument("--tables-only", action="store_true", help="train nothing; rebuild the tables from OUT")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _add_diagnose(sub) -> None:
+    from .diagnostics.cli import add_arguments
+
+    p = sub.add_parser("diagnose", help="mechanism diagnostics: PRISM vs DP-AdamW (PNG + CSV)",
+                       argument_default=argparse.SUPPRESS,
+                       description="Paper Sec. 4 / App. C diagnostics; writes OUTPUT/<which>.png and .csv.")
+    add_arguments(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prismdp", description="Differentially private LoRA with PRISM")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_epsilon(sub)
+    _add_experiment(sub)
+    _add_diagnose(sub)
     return parser
 
 
@@ -105,6 +141,30 @@ def _cmd_epsilon(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_experiment(args: argparse.Namespace) -> int:
+    from .experiment import load_experiment, parse_set_overrides, parse_setting, run_experiment
+
+    exp = load_experiment(args.config, parse_set_overrides(args.overrides))
+    try:
+        seeds = [int(s) for s in args.seeds] if args.seeds else None
+    except ValueError:
+        raise ValueError(f"--seeds: expected integers, got {args.seeds}") from None
+    settings = [parse_setting(s) for s in args.privacy] if args.privacy else None
+    run = run_experiment(exp, output=args.output, tasks=args.tasks, methods=args.methods, settings=settings,
+                         seeds=seeds, dry_run=args.dry_run, tables_only=args.tables_only, progress=not args.quiet)
+    if run.table is not None:
+        print((run.output / "results.md").read_text(), end="")
+    for cell_id, why in run.failures.items():
+        print(f"prismdp experiment: cell {cell_id} failed: {why}", file=sys.stderr)
+    return 1 if run.failures else 0
+
+
+def _cmd_diagnose(args: argparse.Namespace) -> int:
+    from .diagnostics.cli import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     from .models import ModelLoadError
     from .privacy import BudgetExhaustedError
@@ -112,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        return {"train": _cmd_train, "epsilon": _cmd_epsilon}[args.command](args)
+        return {"train": _cmd_train, "epsilon": _cmd_epsilon, "experiment": _cmd_experiment,
+                "diagnose": _cmd_diagnose}[args.command](args)
     except (ValueError, ImportError, FileNotFoundError, BudgetExhaustedError, ModelLoadError, RunExistsError) as e:  # no traceback
         print(f"prismdp {args.command}: error: {e}", file=sys.stderr)
         return 2

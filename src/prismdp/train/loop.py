@@ -1,7 +1,9 @@
 """The training run behind ``prismdp train``: load, make private, train on Poisson batches, evaluate, export.
 
 Outputs in ``cfg.output``: ``config.json`` (resolved), ``metrics.jsonl`` (one record per step), ``checkpoint.pt``
-(resumable), ``adapter/`` (stock PEFT, for the original base model), ``privacy.json`` and ``eval.json``.
+(resumable), ``adapter/`` (stock PEFT, for the original base model), ``privacy.json``, ``eval.json`` (per eval set;
+causal-LM tasks are evaluated by greedy generation on ``eval_tasks``, with the generations in ``generations/``)
+and ``summary.json`` (privacy, eval, the Table-2 ``scores`` and any ``eval_missing`` sets).
 Every file is written atomically.  The per-step loss and clip fraction in ``metrics.jsonl`` are computed on the
 private training data and are *not* covered by the DP guarantee: keep them with the data.
 """
@@ -25,7 +27,8 @@ from ..lora import RankRStart
 from ..models import load_model
 from ..privacy import split_micro_batches
 from .config import ConfigError, TrainConfig
-from .tasks import build_task_data, default_targets, evaluate_classification, model_inputs, task_head
+from .tasks import (build_task_data, default_targets, evaluate_classification, lora_exclude_modules, model_inputs,
+                    task_head)
 
 __all__ = ["train", "TrainResult", "RunExistsError"]
 
@@ -146,9 +149,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
         if "truncated" in key or "masked" in key:
             if count:
                 log(f"[prismdp] {key}: {count} example(s) (max_length={cfg.max_length})")
+    for name, reason in data.gen_eval_missing.items():
+        log(f"[prismdp] eval set {name} is missing (reported in summary.json): {reason}")
     targets = cfg.target_modules or default_targets(model)
+    exclude = lora_exclude_modules(model)  # vision tower etc. of a multimodal checkpoint: text-only training
     lora_cfg = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-                          task_type="SEQ_CLS" if task_type == "seq_cls" else "CAUSAL_LM")
+                          exclude_modules=exclude, task_type="SEQ_CLS" if task_type == "seq_cls" else "CAUSAL_LM")
     model = get_peft_model(model, lora_cfg)
     private = make_private(
         model, method=cfg.method, lr=lr, dataset_size=len(data.train), batch_size=cfg.batch_size, steps=cfg.steps,
@@ -157,7 +163,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
     )
     resolved = {**cfg.to_dict(), "lr": lr, "target_modules": targets, "dataset_size": len(data.train),
                 "noise_multiplier": private.dp.noise_multiplier if private.dp else None,
-                "sample_rate": private.data_sampler.sample_rate, "data_notes": data.notes}
+                "sample_rate": private.data_sampler.sample_rate, "data_notes": data.notes,
+                "lora_exclude_modules": exclude}
     _write_json(out / "config.json", resolved)
 
     step = 0
@@ -218,11 +225,24 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
                    method=cfg.method)
     _write_json(out / "privacy.json", privacy)
     summary["privacy"] = privacy
-    if data.eval_sets:
-        evals = {name: evaluate_classification(model, feats, pad_id, cfg.eval_batch_size, data.task_name)
-                 for name, feats in data.eval_sets.items()}
+    t_eval = time.perf_counter()
+    evals = {name: evaluate_classification(model, feats, pad_id, cfg.eval_batch_size, data.task_name)
+             for name, feats in data.eval_sets.items()}
+    if data.gen_eval_sets:
+        from ..eval.generation import run_eval_sets
+
+        evals.update(run_eval_sets(model, tokenizer, data.gen_eval_sets, batch_size=cfg.eval_batch_size,
+                                   max_new_tokens=cfg.max_new_tokens, aqua_rule=cfg.aqua_rule, progress=progress,
+                                   generations_dir=out / "generations"))
+    if evals:
+        from ..eval.generation import table_scores
+
         _write_json(out / "eval.json", evals)
         summary["eval"] = evals
+        summary["scores"] = table_scores(evals, cfg.task)
+        summary["eval_time_s"] = time.perf_counter() - t_eval
+    if data.gen_eval_missing:
+        summary["eval_missing"] = data.gen_eval_missing
     export_adapter(model, private.pairs, private.start, out / "adapter")
     _write_json(out / "summary.json", summary)
     return TrainResult(summary, model, tokenizer)

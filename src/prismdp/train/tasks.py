@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -15,12 +16,13 @@ from ..eval.metrics import glue_metrics, main_score
 from ..losses import causal_lm_losses, classification_losses
 from .config import ConfigError, TrainConfig
 
-__all__ = ["TaskData", "task_head", "build_task_data", "evaluate_classification", "DEFAULT_TARGETS", "default_targets"]
+__all__ = ["TaskData", "task_head", "build_task_data", "evaluate_classification", "DEFAULT_TARGETS", "default_targets",
+           "lora_exclude_modules"]
 
 # LoRA targets per model family when --target-modules is not given (the paper's q, k, v, up, down for decoders)
 DEFAULT_TARGETS = {
-    "bert": ["query", "key", "value"],
-    "roberta": ["query", "key", "value"],
+    "bert": ["query", "value"],  # the original LoRA paper's choice for encoders
+    "roberta": ["query", "value"],
     "distilbert": ["q_lin", "k_lin", "v_lin"],
     "llama": ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"],
     "mistral": ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"],
@@ -42,6 +44,20 @@ def default_targets(model: nn.Module) -> list[str]:
     return list(DEFAULT_TARGETS[model_type])
 
 
+# Sub-models of multimodal checkpoints (e.g. google/gemma-3-4b-pt loads as Gemma3ForConditionalGeneration) that
+# text-only training never runs: LoRA there would get no activations (and no per-example gradients).
+_NON_TEXT_MODULES = ("vision_tower", "vision_model", "multi_modal_projector", "audio_tower")
+
+
+def lora_exclude_modules(model: nn.Module) -> str | None:
+    """PEFT ``exclude_modules`` regex keeping LoRA on the language model of a multimodal model, else None."""
+    present = sorted({part for name, _ in model.named_modules() for part in name.split(".")
+                      if part in _NON_TEXT_MODULES})
+    if not present:
+        return None
+    return r".*\b(?:" + "|".join(present) + r")\b.*"
+
+
 @dataclass
 class TaskData:
     task_type: str  # "seq_cls" | "causal_lm"
@@ -50,11 +66,13 @@ class TaskData:
     eval_sets: dict[str, list[dict]] = field(default_factory=dict)
     task_name: str | None = None  # GLUE metric name
     notes: dict = field(default_factory=dict)  # counts of truncated / fully masked examples
+    gen_eval_sets: list = field(default_factory=list)  # prismdp.eval.generation.EvalSet (causal-LM tasks)
+    gen_eval_missing: dict = field(default_factory=dict)  # requested eval sets whose files were not found
 
 
 def task_head(cfg: TrainConfig) -> tuple[str, int | None]:
     """(task_type, num_labels) the model must be loaded with."""
-    if cfg.task == "instruct":
+    if cfg.task in ("instruct", "glue8"):
         return "causal_lm", None
     if cfg.task == "synthetic":
         return "seq_cls", 2
@@ -70,17 +88,40 @@ def _subset(items: list, n: int | None, seed: int) -> list:
     return [items[i] for i in idx]
 
 
+def _generation_evals(cfg: TrainConfig) -> tuple[list, dict]:
+    """Test sets of a causal-LM task (``eval_tasks``; glue8 defaults to its eight GLUE tasks)."""
+    from ..eval.generation import resolve_eval_sets
+
+    names = cfg.eval_tasks if cfg.eval_tasks is not None else (["glue8"] if cfg.task == "glue8" else [])
+    if not names:
+        return [], {}
+    eval_data = cfg.eval_data
+    if eval_data is None and cfg.data is not None:
+        eval_data = cfg.data if cfg.task == "glue8" else str(Path(cfg.data).expanduser().parent)
+    return resolve_eval_sets(names, eval_data, limit=cfg.eval_examples)
+
+
 def build_task_data(cfg: TrainConfig, tokenizer) -> TaskData:
-    if cfg.task == "instruct":
-        if cfg.data is None:
-            raise ConfigError("data: --task instruct needs --data PATH to an LLM-Adapters JSON file "
-                              "(records with instruction, input, output), e.g. math_10k.json")
-        records = _subset(load_instruct_json(cfg.data), cfg.train_examples, cfg.seed)
+    if cfg.task in ("instruct", "glue8"):
+        if cfg.task == "glue8":
+            from ..data.glue8 import build_glue8, glue8_records
+
+            items = build_glue8(cfg.data, cfg.glue8_per_task, cfg.seed)
+            records = _subset(glue8_records(items), cfg.train_examples, cfg.seed)
+            extra = {f"glue8_{t}": sum(it.task == t for it in items) for t in dict.fromkeys(it.task for it in items)}
+        else:
+            if cfg.data is None:
+                raise ConfigError("data: --task instruct needs --data PATH to an LLM-Adapters JSON file "
+                                  "(records with instruction, input, output), e.g. math_10k.json")
+            records = _subset(load_instruct_json(cfg.data), cfg.train_examples, cfg.seed)
+            extra = {}
+        gen_sets, gen_missing = _generation_evals(cfg)  # before tokenising: a bad eval setup fails fast
         ds = build_instruct_dataset(records, tokenizer, cfg.max_length, cfg.train_on_inputs, fully_masked="keep")
         feats = [{k: ex[k] for k in ("input_ids", "attention_mask", "labels")} for ex in ds.examples]
-        return TaskData("causal_lm", feats, causal_lm_losses,
-                        notes={"train_examples": len(feats), "truncated": ds.n_truncated,
-                               "fully_masked": ds.n_fully_masked})
+        notes = {"train_examples": len(feats), "truncated": ds.n_truncated, "fully_masked": ds.n_fully_masked,
+                 **extra, **{f"{s.name}_examples": len(s.golds) for s in gen_sets}}
+        return TaskData("causal_lm", feats, causal_lm_losses, notes=notes, gen_eval_sets=gen_sets,
+                        gen_eval_missing=gen_missing)
     if cfg.task == "synthetic":
         train_ex, test_ex = make_synthetic_task(cfg.synthetic_train, cfg.synthetic_test, seed=0)
         evals = {"test": test_ex}

@@ -1,0 +1,292 @@
+"""Experiment grids: a YAML file -> one :class:`~prismdp.train.config.TrainConfig` per cell.
+
+A grid is methods x privacy settings x tasks x seeds.  The file (keys with dashes or underscores)::
+
+    name: paper-gemma3-4b            # optional, shown in the tables
+    output: runs/paper               # OUT (relative to the working directory); `--output` overrides it
+    base:                            # TrainConfig keys shared by every cell
+      model: google/gemma-3-4b-pt
+      rank: 16
+      ...
+    tasks:                           # grid task id -> TrainConfig overrides (`task` defaults to the id)
+      glue8: {task: glue8, data: ../../shared/data/glue, steps: 500, lr: {prism: 2.0e-4, lamb: 5.0e-3, ...}}
+      math10k: {task: instruct, data: ../../shared/data/math/math_10k.json, eval_tasks: math, steps: 300}
+    methods: [ffa, lora-rite, dp-adamw, lora-plus, lamb, prism]    # or {method: TrainConfig overrides}
+    privacy: [non-dp, 6, 3]          # target epsilons; non-dp (or null) = the same run without clipping/noise
+    seeds: [42]
+    labels: {lora-rite: RITE}        # optional display names of methods in the tables
+    columns: [cola, sst2, ...]       # optional column order of the tables
+
+A cell's values are ``base``, then ``methods[m]``, then ``tasks[t]``, then the command line's ``--set KEY=VALUE``,
+then the cell's own ``method``, ``dp``/``epsilon``, ``seed`` and ``output = OUT/<cell id>``.  ``lr`` may be a
+mapping ``{method: lr}`` at any level (the paper's rates depend on method and task); a cell whose method is not in
+the mapping is an error.  Relative ``data`` / ``eval_data`` paths, and a ``model`` starting with ``.``, are
+resolved against the folder of the YAML file.  Cell ids: ``<task id>__<method>__<nondp|eps3>__seed<seed>``.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..train.config import ConfigError, TrainConfig
+
+__all__ = ["Setting", "Cell", "Experiment", "load_experiment", "parse_setting", "parse_set_overrides",
+           "DEFAULT_LABELS"]
+
+#: Display names of the methods (the paper's Table 2 spelling).
+DEFAULT_LABELS = {"ffa": "FFA", "lora-rite": "RITE", "dp-adamw": "AdamW", "lora-plus": "LoRA+", "lamb": "LAMB",
+                  "prism": "PRISM"}
+_TOP_KEYS = {"name", "output", "base", "tasks", "methods", "privacy", "seeds", "labels", "columns"}
+_PATH_KEYS = ("data", "eval_data")
+_CELL_KEYS = ("method", "dp", "epsilon", "seed", "output")  # set by the grid, not by the layers
+_NONDP = {"non-dp", "nondp", "non_dp", "none", "no-dp", "off", "false"}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One privacy setting of the grid: ``epsilon`` None = non-private."""
+
+    epsilon: Optional[float]
+
+    @property
+    def dp(self) -> bool:
+        return self.epsilon is not None
+
+    @property
+    def key(self) -> str:
+        return "nondp" if self.epsilon is None else f"eps{self.epsilon:g}"
+
+    @property
+    def label(self) -> str:
+        return "Non-DP" if self.epsilon is None else f"ε={self.epsilon:g}"
+
+    @property
+    def tex(self) -> str:
+        return "Non-DP" if self.epsilon is None else f"$\\varepsilon={self.epsilon:g}$"
+
+
+def parse_setting(value: Any) -> Setting:
+    if value is None or (isinstance(value, str) and value.strip().lower() in _NONDP) or value is False:
+        return Setting(None)
+    try:
+        eps = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"privacy: {value!r} is neither a target epsilon nor non-dp") from None
+    if not eps > 0:
+        raise ConfigError(f"privacy: epsilon must be > 0, got {value!r}")
+    return Setting(eps)
+
+
+@dataclass(frozen=True)
+class Cell:
+    task_id: str
+    method: str
+    setting: Setting
+    seed: int
+    config: TrainConfig = field(compare=False, repr=False)
+
+    @property
+    def id(self) -> str:
+        return f"{self.task_id}__{self.method}__{self.setting.key}__seed{self.seed}"
+
+
+@dataclass
+class Experiment:
+    path: Optional[Path]
+    name: str
+    output: str
+    base: Dict[str, Any]
+    tasks: Dict[str, Dict[str, Any]]
+    methods: Dict[str, Dict[str, Any]]
+    settings: List[Setting]
+    seeds: List[int]
+    labels: Dict[str, str]
+    columns: Optional[List[str]] = None
+    overrides: Dict[str, Any] = field(default_factory=dict)
+
+    def label(self, method: str) -> str:
+        return self.labels.get(method, DEFAULT_LABELS.get(method, method))
+
+    def cells(self, output: Optional[str] = None, *, tasks: Optional[Sequence[str]] = None,
+              methods: Optional[Sequence[str]] = None, settings: Optional[Sequence[Setting]] = None,
+              seeds: Optional[Sequence[int]] = None) -> List[Cell]:
+        """All cells (or the selected ones), each with its validated TrainConfig; order: task, setting, method, seed."""
+        out_root = Path(output if output is not None else self.output)
+        for kind, chosen, known in (("task", tasks, self.tasks), ("method", methods, self.methods)):
+            unknown = [c for c in (chosen or ()) if c not in known]
+            if unknown:
+                raise ConfigError(f"--{kind}s: {unknown} not in the experiment ({', '.join(known)})")
+        for s in settings or ():
+            if s not in self.settings:
+                have = ", ".join(x.key for x in self.settings)
+                raise ConfigError(f"--privacy: {s.key} not in the experiment ({have})")
+        for s in seeds or ():
+            if s not in self.seeds:
+                raise ConfigError(f"--seeds: {s} not in the experiment ({', '.join(map(str, self.seeds))})")
+        cells = []
+        for task_id in self.tasks:
+            if tasks and task_id not in tasks:
+                continue
+            for setting in self.settings:
+                if settings and setting not in settings:
+                    continue
+                for method in self.methods:
+                    if methods and method not in methods:
+                        continue
+                    for seed in self.seeds:
+                        if seeds and seed not in seeds:
+                            continue
+                        cells.append(self._cell(task_id, method, setting, seed, out_root))
+        return cells
+
+    def _cell(self, task_id: str, method: str, setting: Setting, seed: int, out_root: Path) -> Cell:
+        values: Dict[str, Any] = {}
+        for layer in (self.base, self.methods[method], self.tasks[task_id], self.overrides):
+            values.update(copy.deepcopy(layer))
+        values.setdefault("task", task_id)
+        cid = f"{task_id}__{method}__{setting.key}__seed{seed}"
+        if isinstance(values.get("lr"), dict):
+            table = values["lr"]
+            if method not in table:
+                raise ConfigError(f"{cid}: lr is a per-method mapping without an entry for {method!r} "
+                                  f"(has {', '.join(table)})")
+            values["lr"] = table[method]
+        values.update(method=method, dp=setting.dp, seed=int(seed), output=str(out_root / cid))
+        if setting.dp:
+            values["epsilon"] = setting.epsilon
+        try:
+            cfg = TrainConfig.from_dict(values, source=f"cell {cid}")
+        except (ConfigError, TypeError) as e:
+            raise ConfigError(f"cell {cid}: {e}") from None
+        return Cell(task_id, method, setting, int(seed), cfg)
+
+
+def _mapping(d: Any, where: str) -> Dict[str, Any]:
+    if d is None:
+        return {}
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(d).__name__}")
+    return {str(k): v for k, v in d.items()}
+
+
+def _norm_keys(d: Any, where: str) -> Dict[str, Any]:
+    if d is None:
+        return {}
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(d).__name__}")
+    return {str(k).replace("-", "_"): v for k, v in d.items()}
+
+
+def _resolve_paths(values: Dict[str, Any], folder: Optional[Path]) -> Dict[str, Any]:
+    if folder is None:
+        return values
+    out = dict(values)
+    for key in _PATH_KEYS:
+        v = out.get(key)
+        if isinstance(v, str) and v and not Path(v).expanduser().is_absolute():
+            out[key] = str((folder / v).resolve())
+    m = out.get("model")
+    if isinstance(m, str) and m.startswith("."):
+        out["model"] = str((folder / m).resolve())
+    return out
+
+
+def _check_layer(values: Dict[str, Any], where: str) -> None:
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; valid TrainConfig keys: {sorted(known)}")
+    fixed = sorted(set(values) & set(_CELL_KEYS))
+    if fixed:
+        raise ConfigError(f"{where}: {fixed} are set by the grid (methods / privacy / seeds / --output), "
+                          "not per layer")
+
+
+def parse_set_overrides(items: Sequence[str]) -> Dict[str, Any]:
+    """``["steps=2", "eval-examples=20"]`` -> ``{"steps": 2, "eval_examples": 20}`` (values parsed as YAML)."""
+    import yaml
+
+    out: Dict[str, Any] = {}
+    for item in items or ():
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
+        k, v = item.split("=", 1)
+        out[k.strip().replace("-", "_")] = yaml.safe_load(v) if v.strip() else None
+    return out
+
+
+def load_experiment(source: Any, overrides: Optional[Dict[str, Any]] = None) -> Experiment:
+    """Read and validate an experiment YAML/JSON file (or a mapping); every cell's TrainConfig is checked."""
+    path: Optional[Path] = None
+    if isinstance(source, dict):
+        raw = source
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"experiment file {str(path)!r} does not exist")
+        import json
+
+        import yaml
+
+        text = path.read_text()
+        raw = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    raw = _norm_keys(raw, str(path or "experiment"))
+    unknown = sorted(set(raw) - _TOP_KEYS)
+    if unknown:
+        raise ConfigError(f"{path or 'experiment'}: unknown top-level key(s) {unknown}; valid: {sorted(_TOP_KEYS)}")
+    folder = path.resolve().parent if path is not None else None
+
+    base = _resolve_paths(_norm_keys(raw.get("base"), "base"), folder)
+    base_seed = base.pop("seed", 42)  # base.seed is only the default of `seeds`
+    _check_layer(base, "base")
+    tasks_raw = raw.get("tasks")
+    if isinstance(tasks_raw, (list, tuple)):
+        tasks_raw = {t: {} for t in tasks_raw}
+    tasks = {str(k): _resolve_paths(_norm_keys(v, f"tasks.{k}"), folder)
+             for k, v in _mapping(tasks_raw, "tasks").items()} if tasks_raw else {}
+    if not tasks:
+        raise ConfigError("tasks: the experiment needs at least one task")
+    for k, v in tasks.items():
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", k) or "__" in k:
+            raise ConfigError(f"tasks: id {k!r} must be letters, digits, '.', '-' or '_' (no '__')")
+        _check_layer(v, f"tasks.{k}")
+    methods_raw = raw.get("methods", ["prism"])
+    if isinstance(methods_raw, (list, tuple)):
+        methods = {str(m): {} for m in methods_raw}
+    else:
+        methods = {k: _norm_keys(v, f"methods.{k}") for k, v in _mapping(methods_raw, "methods").items()}
+    from ..engine import METHODS
+
+    for m, v in methods.items():
+        if m not in METHODS:
+            raise ConfigError(f"methods: unknown method {m!r}; choose from {sorted(METHODS)}")
+        _check_layer(v, f"methods.{m}")
+    settings_raw = raw.get("privacy", [3])
+    settings_raw = settings_raw if isinstance(settings_raw, (list, tuple)) else [settings_raw]
+    settings = []
+    for v in settings_raw:
+        s = parse_setting(v)
+        if s in settings:
+            raise ConfigError(f"privacy: {s.key} listed twice")
+        settings.append(s)
+    seeds_raw = raw.get("seeds", [base_seed])
+    seeds_raw = seeds_raw if isinstance(seeds_raw, (list, tuple)) else [seeds_raw]
+    if any(isinstance(s, bool) or not isinstance(s, int) for s in seeds_raw) or len(set(seeds_raw)) != len(seeds_raw):
+        raise ConfigError(f"seeds: expected distinct integers, got {seeds_raw!r}")
+    labels = {str(k): str(v) for k, v in (raw.get("labels") or {}).items()}
+    columns = raw.get("columns")
+    if columns is not None and (not isinstance(columns, list) or not all(isinstance(c, str) for c in columns)):
+        raise ConfigError("columns: expected a list of column names")
+    over = _resolve_paths(dict(overrides or {}), Path.cwd())
+    _check_layer(over, "--set")
+    exp = Experiment(path, str(raw.get("name") or (path.stem if path else "experiment")),
+                     str(raw.get("output") or f"runs/{path.stem if path else 'experiment'}"), base, tasks, methods,
+                     settings, [int(s) for s in seeds_raw], labels, columns, over)
+    exp.cells()  # validate every cell now, before anything runs
+    return exp

@@ -1,0 +1,120 @@
+"""Run an experiment grid cell by cell with the trainer, skipping finished cells, then write the result tables.
+
+Each cell trains into ``OUT/<cell id>/`` (the trainer's usual files).  A cell whose ``summary.json`` exists is
+done and skipped -- unless its saved ``config.json`` disagrees with the grid's current configuration for that cell,
+which is reported as a failure (delete the folder, or use another ``--output``) rather than silently mixing results
+of different settings.  A cell with a ``checkpoint.pt`` but no summary was interrupted and is resumed; one with
+neither (stopped before its first checkpoint) is restarted.  A failing cell is reported and the others still run.
+``OUT/experiment.json`` records the grid; ``OUT/results.csv``, ``results.md`` and ``results.tex`` are rewritten
+after every cell (see :mod:`prismdp.experiment.tables`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+from .grid import Cell, Experiment, Setting
+from .tables import Table, write_results
+
+__all__ = ["run_experiment", "ExperimentRun", "config_mismatch"]
+
+_RESOLVED_DEFAULTS = ("lr", "target_modules")  # None in the grid, filled in by the trainer
+
+
+@dataclass
+class ExperimentRun:
+    output: Path
+    cells: List[Cell]  # the selected cells
+    ran: List[str] = field(default_factory=list)
+    skipped: List[str] = field(default_factory=list)
+    failures: Dict[str, str] = field(default_factory=dict)
+    table: Optional[Table] = None
+
+
+def _plain(v):
+    return json.loads(json.dumps(v))
+
+
+def config_mismatch(cell: Cell) -> List[str]:
+    """TrainConfig keys on which the finished run in the cell's folder differs from the cell's configuration."""
+    path = Path(cell.config.output) / "config.json"
+    if not path.is_file():
+        return []
+    saved = json.loads(path.read_text())
+    diffs = []
+    for k, v in cell.config.to_dict().items():
+        if k == "output" or (v is None and k in _RESOLVED_DEFAULTS):
+            continue
+        if _plain(saved.get(k)) != _plain(v):
+            diffs.append(k)
+    return diffs
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def run_experiment(exp: Experiment, *, output: Optional[str] = None, tasks: Optional[Sequence[str]] = None,
+                   methods: Optional[Sequence[str]] = None, settings: Optional[Sequence[Setting]] = None,
+                   seeds: Optional[Sequence[int]] = None, dry_run: bool = False, tables_only: bool = False,
+                   progress: bool = True, log: Callable[[str], None] = print,
+                   train_fn: Optional[Callable] = None) -> ExperimentRun:
+    """Train the selected cells (all by default) that are not done yet; write the tables over the whole grid."""
+    if train_fn is None:
+        from ..train.loop import train as train_fn
+    out_dir = Path(output if output is not None else exp.output)
+    all_cells = exp.cells(str(out_dir))
+    chosen = {c.id for c in exp.cells(str(out_dir), tasks=tasks, methods=methods, settings=settings, seeds=seeds)}
+    cells = [c for c in all_cells if c.id in chosen]
+    run = ExperimentRun(out_dir, cells)
+    if dry_run:
+        for c in cells:
+            state = "done" if (Path(c.config.output) / "summary.json").is_file() else "todo"
+            log(f"[experiment] {state} {c.id}")
+        return run
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_json(out_dir / "experiment.json", {
+        "name": exp.name, "source": str(exp.path) if exp.path else None, "overrides": exp.overrides,
+        "cells": {c.id: {**c.config.to_dict(), "task_id": c.task_id} for c in all_cells}})
+    todo = [] if tables_only else cells
+    for i, cell in enumerate(todo, 1):
+        folder = Path(cell.config.output)
+        tag = f"[experiment] ({i}/{len(todo)}) {cell.id}"
+        if (folder / "summary.json").is_file():
+            diffs = config_mismatch(cell)
+            if diffs:
+                msg = (f"{folder} holds a finished run with a different configuration ({', '.join(diffs)}); delete "
+                       "the folder to rerun it, or use another --output")
+                run.failures[cell.id] = msg
+                log(f"{tag}: {msg}")
+            else:
+                run.skipped.append(cell.id)
+                log(f"{tag}: done, skipped")
+            continue
+        resume = (folder / "checkpoint.pt").is_file()
+        if not resume and (folder / "metrics.jsonl").exists():
+            (folder / "metrics.jsonl").unlink()  # stopped before its first checkpoint: nothing to resume
+        log(f"{tag}: {'resuming' if resume else 'training'} -> {folder}")
+        t0 = time.perf_counter()
+        try:
+            train_fn(cell.config, resume=resume, progress=progress, log=log)
+        except Exception as e:  # noqa: BLE001 - one failing cell must not stop the grid
+            run.failures[cell.id] = f"{type(e).__name__}: {e}"
+            log(f"{tag}: FAILED {type(e).__name__}: {e}")
+            log("".join(traceback.format_exception(type(e), e, e.__traceback__, limit=-3)).rstrip())
+            continue
+        run.ran.append(cell.id)
+        log(f"{tag}: finished in {time.perf_counter() - t0:.1f} s")
+        write_results(exp, all_cells, out_dir, run.failures)
+    _, run.table = write_results(exp, all_cells, out_dir, run.failures)
+    log(f"[experiment] {len(run.ran)} trained, {len(run.skipped)} skipped, {len(run.failures)} failed; results in "
+        f"{out_dir / 'results.csv'}, {out_dir / 'results.md'}, {out_dir / 'results.tex'}")
+    return run

@@ -1,0 +1,332 @@
+"""Results of an experiment grid: ``results.csv`` (one row per cell and metric) and the Table-2 style
+``results.md`` / ``results.tex`` (rows: privacy setting x method; columns: per-task scores and their unweighted
+average ``Avg``; bold = best per column within a setting; mean ± sample standard deviation over seeds when
+there are several).
+
+The per-task number is the run's ``summary.json`` ``scores`` entry (the paper's convention, see
+:mod:`prismdp.eval.metrics`: CoLA MCC, MRPC/QQP (F1 + acc)/2, STS-B (Pearson + Spearman)/2, MNLI mean of matched and
+mismatched accuracy, math exact-answer accuracy, otherwise accuracy).  ``Avg`` is computed per seed over the columns
+that seed has, then aggregated over seeds; a row missing some of the table's columns gets a dagger.  Eval sets
+that a run could not evaluate (e.g. QQP validation, absent from the offline data) keep their column, shown as
+``–``, and are listed under the table.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..eval.generation import MATH_SETS, table_scores
+from ..eval.metrics import GLUE8_COLUMNS
+from .grid import Cell, Experiment, Setting
+
+__all__ = ["CellResult", "read_cell", "result_rows", "write_csv", "build_table", "render_markdown", "render_latex",
+           "write_results", "COLUMN_LABELS", "CSV_FIELDS"]
+
+COLUMN_LABELS = {"cola": "CoLA", "sst2": "SST-2", "mrpc": "MRPC", "stsb": "STS-B", "qqp": "QQP", "mnli": "MNLI",
+                 "qnli": "QNLI", "rte": "RTE", "gsm8k": "GSM8K", "aqua": "AQuA", "mawps": "MAWPS", "svamp": "SVAMP",
+                 "synthetic": "Synthetic"}
+GROUPS = (("GLUE8", GLUE8_COLUMNS), ("Math-10K", MATH_SETS))
+_CANONICAL = (*GLUE8_COLUMNS, *MATH_SETS, "synthetic")
+CSV_FIELDS = ["cell_id", "task_id", "task", "method", "method_label", "setting", "dp", "epsilon_target", "seed",
+              "column", "metric", "value", "epsilon_spent", "delta", "noise_multiplier", "steps", "mean_step_time_s",
+              "eval_time_s", "model"]
+_DETAIL_METRICS = ("accuracy", "f1", "mcc", "pearson", "spearman", "correct", "n", "unparsed", "parse_rate",
+                   "unfinished", "total")
+
+
+@dataclass
+class CellResult:
+    cell: Cell
+    summary: Dict[str, Any]
+    config: Dict[str, Any]
+    scores: Dict[str, float]
+    mean_step_time_s: Optional[float] = None
+    missing: Dict[str, str] = field(default_factory=dict)
+
+
+def _mean_step_time(path: Path) -> Optional[float]:
+    if not path.is_file():
+        return None
+    times = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            t = json.loads(line).get("step_time_s")
+            if isinstance(t, (int, float)):
+                times.append(float(t))
+    return sum(times) / len(times) if times else None
+
+
+def read_cell(cell: Cell) -> Optional[CellResult]:
+    """The finished run of ``cell`` (None if its ``summary.json`` is absent)."""
+    out = Path(cell.config.output)
+    if not (out / "summary.json").is_file():
+        return None
+    summary = json.loads((out / "summary.json").read_text())
+    config = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
+    scores = summary.get("scores")
+    if scores is None:
+        scores = table_scores(summary.get("eval", {}), cell.config.task)
+    return CellResult(cell, summary, config, {k: float(v) for k, v in scores.items()},
+                      _mean_step_time(out / "metrics.jsonl"), dict(summary.get("eval_missing", {})))
+
+
+def result_rows(exp: Experiment, results: Sequence[CellResult]) -> List[Dict[str, Any]]:
+    """CSV rows: per cell, one ``metric=score`` row per table column, then the detailed metrics per eval set."""
+    rows = []
+    for r in results:
+        c = r.cell
+        priv = r.summary.get("privacy", {})
+        common = {
+            "cell_id": c.id, "task_id": c.task_id, "task": c.config.task, "method": c.method,
+            "method_label": exp.label(c.method), "setting": c.setting.key, "dp": c.setting.dp,
+            "epsilon_target": c.setting.epsilon if c.setting.dp else "", "seed": c.seed,
+            "epsilon_spent": priv.get("epsilon", "") if priv.get("private") else "",
+            "delta": priv.get("delta", "") if priv.get("private") else "",
+            "noise_multiplier": priv.get("noise_multiplier", "") if priv.get("private") else "",
+            "steps": r.summary.get("steps", ""),
+            "mean_step_time_s": "" if r.mean_step_time_s is None else r.mean_step_time_s,
+            "eval_time_s": r.summary.get("eval_time_s", ""), "model": r.config.get("model", c.config.model) or "",
+        }
+        for col, v in r.scores.items():
+            rows.append({**common, "column": col, "metric": "score", "value": v})
+        for set_name, ev in (r.summary.get("eval") or {}).items():
+            for k in _DETAIL_METRICS:
+                v = ev.get(k) if isinstance(ev, dict) else None
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    rows.append({**common, "column": set_name, "metric": k, "value": v})
+    return rows
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_csv(path: Path, rows: Sequence[Dict[str, Any]]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="", encoding="utf-8") as fh:
+        w = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for row in rows:
+            w.writerow(row)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the Table-2 layout
+
+
+@dataclass
+class Stat:
+    mean: float
+    std: Optional[float]  # sample standard deviation over seeds (None for one seed)
+    n: int
+
+
+def _stat(values: Sequence[float]) -> Optional[Stat]:
+    if not values:
+        return None
+    return Stat(statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None, len(values))
+
+
+@dataclass
+class Row:
+    method: str
+    label: str
+    cells: Dict[str, Stat]
+    avg: Optional[Stat]
+    incomplete: bool  # lacks a column that other rows have
+    bold: set = field(default_factory=set)
+
+
+@dataclass
+class Table:
+    title: str
+    columns: List[str]
+    blocks: List[Tuple[Setting, List[Row]]]
+    n_seeds: int
+    missing: Dict[str, str]  # eval sets no run could evaluate -> reason
+    pending: List[str]  # cells without results
+    failures: Dict[str, str]
+
+
+def _column_order(exp: Experiment, present: Sequence[str]) -> List[str]:
+    if exp.columns:
+        return list(exp.columns) + [c for c in present if c not in exp.columns]
+    known = [c for c in _CANONICAL if c in present]
+    return known + [c for c in present if c not in known]
+
+
+def build_table(exp: Experiment, cells: Sequence[Cell], results: Sequence[CellResult],
+                failures: Optional[Dict[str, str]] = None) -> Table:
+    by_cell = {r.cell.id: r for r in results}
+    present: List[str] = []
+    missing: Dict[str, str] = {}
+    for r in results:
+        present.extend(c for c in r.scores if c not in present)
+        for set_name, reason in r.missing.items():
+            col = "mnli" if set_name.startswith("mnli_") else set_name
+            missing.setdefault(set_name, reason)
+            if col not in present:
+                present.append(col)
+    columns = _column_order(exp, present)
+    with_values = {c for r in results for c in r.scores}  # columns some run has (QQP may have none)
+    blocks = []
+    seeds_seen = set()
+    for setting in exp.settings:
+        rows = []
+        for method in exp.methods:
+            per_seed: Dict[int, Dict[str, float]] = {}
+            for c in cells:
+                if c.method != method or c.setting != setting or c.id not in by_cell:
+                    continue
+                per_seed.setdefault(c.seed, {}).update(by_cell[c.id].scores)
+            if not per_seed:
+                continue
+            seeds_seen.update(per_seed)
+            stats = {col: _stat([s[col] for s in per_seed.values() if col in s]) for col in columns}
+            stats = {k: v for k, v in stats.items() if v is not None}
+            avgs = [statistics.fmean([s[c] for c in columns if c in s]) for s in per_seed.values()
+                    if any(c in s for c in columns)]
+            incomplete = any(col not in s for s in per_seed.values() for col in columns if col in with_values)
+            rows.append(Row(method, exp.label(method), stats, _stat(avgs), incomplete))
+        if len(rows) >= 2:
+            for key in [*columns, "__avg__"]:
+                vals = [(round((r.avg if key == "__avg__" else r.cells.get(key)).mean, 3), r) for r in rows
+                        if (r.avg if key == "__avg__" else r.cells.get(key)) is not None]
+                if vals:
+                    best = max(v for v, _ in vals)
+                    for v, r in vals:
+                        if v == best:
+                            r.bold.add(key)
+        if rows:
+            blocks.append((setting, rows))
+    pending = [c.id for c in cells if c.id not in by_cell and c.id not in (failures or {})]
+    return Table(exp.name, columns, blocks, len(seeds_seen), missing, pending, dict(failures or {}))
+
+
+def _fmt(s: Optional[Stat], pm: str) -> str:
+    if s is None or s.mean is None or (isinstance(s.mean, float) and math.isnan(s.mean)):
+        return "–"
+    return f"{s.mean:.3f}" if s.std is None else f"{s.mean:.3f}{pm}{s.std:.3f}"
+
+
+def _caption(t: Table) -> str:
+    seeds = (f"mean ± sample std over {t.n_seeds} seeds" if t.n_seeds > 1 else "one seed")
+    return (f"Rows: privacy setting x method; Avg = unweighted mean of the columns shown (per seed, then over "
+            f"seeds); bold = best per column within a setting; {seeds}.")
+
+
+def _notes(t: Table, tex: bool = False) -> List[str]:
+    notes = []
+    if any(r.incomplete for _, rows in t.blocks for r in rows):
+        notes.append("† Avg over the columns this row has (some columns missing).")
+    for k, v in t.missing.items():
+        notes.append(f"{COLUMN_LABELS.get(k, k)} ({k}) not evaluated: {v}")
+    if t.pending:
+        notes.append(f"{len(t.pending)} grid cell(s) without results yet: {', '.join(t.pending[:8])}"
+                     + (" ..." if len(t.pending) > 8 else ""))
+    for k, v in t.failures.items():
+        notes.append(f"cell {k} failed: {v}")
+    return notes
+
+
+def render_markdown(t: Table) -> str:
+    cols = [COLUMN_LABELS.get(c, c) for c in t.columns]
+    lines = [f"# {t.title}", "", _caption(t), "",
+             "| Setting | Method | " + " | ".join(cols) + " | Avg |",
+             "|---|---|" + "---:|" * (len(cols) + 1)]
+
+    def cell(s: Optional[Stat], bold: bool, dagger: str = "") -> str:
+        text = _fmt(s, " ± ") + dagger
+        return f"**{text}**" if bold and s is not None else text
+
+    for setting, rows in t.blocks:
+        for i, r in enumerate(rows):
+            vals = [cell(r.cells.get(c), c in r.bold) for c in t.columns]
+            vals.append(cell(r.avg, "__avg__" in r.bold, "†" if r.incomplete else ""))
+            lines.append(f"| {setting.label if i == 0 else ''} | {r.label} | " + " | ".join(vals) + " |")
+    notes = _notes(t)
+    if notes:
+        lines += [""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def _tex_escape(s: str) -> str:
+    for a, b in (("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("$", r"\$"), ("#", r"\#"),
+                 ("_", r"\_"), ("{", r"\{"), ("}", r"\}"), ("±", r"$\pm$"), ("–", "--"), ("†", r"$^\dagger$")):
+        s = s.replace(a, b)
+    return s
+
+
+def render_latex(t: Table) -> str:
+    n = len(t.columns)
+    group_of = {c: g for g, cs in GROUPS for c in cs}
+    runs: List[Tuple[Optional[str], int, int]] = []  # (group, first col index, last col index), 1-based in data
+    for i, c in enumerate(t.columns):
+        g = group_of.get(c)
+        if runs and runs[-1][0] == g:
+            runs[-1] = (g, runs[-1][1], i)
+        else:
+            runs.append((g, i, i))
+    grouped = len({g for g, _, _ in runs if g is not None}) >= 2  # e.g. GLUE8 and Math-10K side by side
+    out = ["% generated by `prismdp experiment`; needs \\usepackage{booktabs,multirow}",
+           "\\begin{table*}[t]",
+           f"  \\caption{{\\textbf{{{_tex_escape(t.title)}.}} {_tex_escape(_caption(t))}}}",
+           "  \\begin{center}", "    \\begin{small}", "      \\begin{sc}",
+           "        \\setlength{\\tabcolsep}{2.0pt}",
+           f"        \\begin{{tabular}}{{@{{}}ll*{{{n + 1}}}{{c}}@{{}}}}", "          \\toprule"]
+    heads = [f"\\textbf{{{_tex_escape(COLUMN_LABELS.get(c, c))}}}" for c in t.columns]
+    if grouped:
+        top, rules = ["\\textbf{Setting}", "\\textbf{Method}"], []
+        for g, a, b in runs:
+            if g is None:
+                top.extend([""] * (b - a + 1))
+            else:
+                top.append(f"\\multicolumn{{{b - a + 1}}}{{c}}{{\\textbf{{{_tex_escape(g)}}}}}")
+                rules.append(f"\\cmidrule(lr){{{a + 3}-{b + 3}}}")
+        top.append("\\textbf{Avg}")
+        out.append("          " + " & ".join(top) + " \\\\")
+        out.append("          " + "".join(rules))
+        out.append("          & & " + " & ".join(heads) + " & \\\\")
+    else:
+        out.append("          \\textbf{Setting} & \\textbf{Method} & " + " & ".join(heads) + " & \\textbf{Avg} \\\\")
+
+    def cell(s: Optional[Stat], bold: bool, dagger: str = "") -> str:
+        text = _fmt(s, "$\\pm$") + dagger
+        text = text.replace("–", "--").replace("†", "$^\\dagger$")
+        return f"\\textbf{{{text}}}" if bold and s is not None else text
+
+    for setting, rows in t.blocks:
+        out.append("          \\midrule")
+        for i, r in enumerate(rows):
+            head = f"\\multirow{{{len(rows)}}}{{*}}{{{setting.tex}}}" if i == 0 else ""
+            vals = [cell(r.cells.get(c), c in r.bold) for c in t.columns]
+            vals.append(cell(r.avg, "__avg__" in r.bold, "†" if r.incomplete else ""))
+            out.append(f"          {head} & {_tex_escape(r.label)} & " + " & ".join(vals) + " \\\\")
+    out += ["          \\bottomrule", "        \\end{tabular}", "      \\end{sc}", "    \\end{small}",
+            "  \\end{center}", "\\end{table*}"]
+    notes = _notes(t)
+    if notes:
+        out += [""] + [f"% {n}" for n in notes]
+    return "\n".join(out) + "\n"
+
+
+def write_results(exp: Experiment, cells: Sequence[Cell], out_dir: Path,
+                  failures: Optional[Dict[str, str]] = None) -> Tuple[List[CellResult], Table]:
+    """Read every finished cell and write ``results.csv``, ``results.md`` and ``results.tex`` into ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = [r for r in (read_cell(c) for c in cells) if r is not None]
+    write_csv(out_dir / "results.csv", result_rows(exp, results))
+    table = build_table(exp, cells, results, failures)
+    _atomic_write(out_dir / "results.md", render_markdown(table))
+    _atomic_write(out_dir / "results.tex", render_latex(table))
+    return results, table

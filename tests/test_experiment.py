@@ -1,0 +1,235 @@
+"""`prismdp experiment`: grid -> runs -> results.csv / Table-2 tables; the paper's Gemma config."""
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from prismdp.cli import main
+from prismdp.engine import DEFAULT_LR, METHODS
+from prismdp.experiment import load_experiment, run_experiment, write_results
+from prismdp.experiment.grid import Setting
+from prismdp.train.config import ConfigError
+from test_glue8 import make_fake_glue
+
+torch.set_num_threads(1)
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+PAPER = CONFIGS / "paper-gemma3-4b.yaml"
+TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]
+
+
+def tiny_grid(model_dir, out, **extra):
+    return {"name": "tiny", "output": str(out),
+            "base": {"model": model_dir, "synthetic_train": 64, "synthetic_test": 24, "steps": 2, "batch_size": 16,
+                     "micro_batch_size": 16, "rank": 2, "alpha": 4, "max_length": 24, "lr": {"prism": 5e-3,
+                                                                                          "dp-adamw": 5e-3}},
+            "tasks": {"synthetic": {}}, "methods": ["dp-adamw", "prism"], "privacy": ["non-dp", 3], "seeds": [7],
+            **extra}
+
+
+def test_tiny_grid_end_to_end_then_skips_done_cells(tiny_bert_dir, tmp_path):
+    out = tmp_path / "out"
+    exp = load_experiment(tiny_grid(tiny_bert_dir, out))
+    logs = []
+    run = run_experiment(exp, progress=False, log=logs.append)
+    ids = ["synthetic__dp-adamw__nondp__seed7", "synthetic__prism__nondp__seed7",
+           "synthetic__dp-adamw__eps3__seed7", "synthetic__prism__eps3__seed7"]
+    assert run.ran == ids and not run.failures and not run.skipped
+    for cid in ids:
+        assert (out / cid / "summary.json").is_file()
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    scores = [r for r in rows if r["metric"] == "score"]
+    assert sorted(r["cell_id"] for r in scores) == sorted(ids) and {r["column"] for r in scores} == {"synthetic"}
+    dp_rows = [r for r in scores if r["setting"] == "eps3"]
+    assert all(0 < float(r["epsilon_spent"]) <= 3.0 and r["steps"] == "2" and float(r["mean_step_time_s"]) > 0
+               for r in dp_rows)
+    md = (out / "results.md").read_text()
+    assert "| Setting | Method | Synthetic | Avg |" in md and "| Non-DP | AdamW |" in md and "| ε=3 | AdamW |" in md
+    assert md.count("**") >= 4  # a best value per column and setting is bold
+    tex = (out / "results.tex").read_text()
+    assert "\\multirow{2}{*}{$\\varepsilon=3$}" in tex and "\\toprule" in tex and "PRISM" in tex
+    assert json.loads((out / "experiment.json").read_text())["cells"][ids[0]]["method"] == "dp-adamw"
+
+    # rerun: every cell is done, nothing is trained, the tables are rebuilt identically
+    def boom(*a, **k):
+        raise AssertionError("a finished cell was retrained")
+
+    before = (out / "results.csv").read_text()
+    run2 = run_experiment(exp, progress=False, log=logs.append, train_fn=boom)
+    assert run2.skipped == ids and not run2.ran and not run2.failures
+    assert (out / "results.csv").read_text() == before
+    # a changed setting does not silently reuse old results
+    exp3 = load_experiment(tiny_grid(tiny_bert_dir, out), {"steps": 3})
+    run3 = run_experiment(exp3, methods=["prism"], settings=[Setting(3.0)], progress=False, log=logs.append,
+                          train_fn=boom)
+    assert list(run3.failures) == ["synthetic__prism__eps3__seed7"] and "steps" in run3.failures[ids[-1]]
+
+
+def test_cli_experiment(tiny_bert_dir, tmp_path, capsys):
+    cfg = tmp_path / "grid.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_grid(tiny_bert_dir, tmp_path / "default")))
+    out = tmp_path / "cli"
+    assert main(["experiment", str(cfg), "--output", str(out), "--methods", "prism", "--privacy", "non-dp",
+                 "--set", "steps=1", "--quiet"]) == 0
+    assert (out / "synthetic__prism__nondp__seed7" / "summary.json").is_file()
+    assert not (out / "synthetic__dp-adamw__nondp__seed7").exists()
+    assert "| Non-DP | PRISM |" in capsys.readouterr().out
+    assert main(["experiment", str(cfg), "--output", str(out), "--dry-run", "--set", "steps=1"]) == 0
+    printed = capsys.readouterr().out
+    assert "done synthetic__prism__nondp__seed7" in printed and "todo synthetic__dp-adamw__eps3__seed7" in printed
+    assert main(["experiment", str(cfg), "--methods", "sgd"]) == 2
+
+
+def _fake_cell(cell, scores, missing=None):
+    folder = Path(cell.config.output)
+    folder.mkdir(parents=True)
+    summary = {"steps": 1, "privacy": {"private": cell.setting.dp, "epsilon": 2.9, "delta": 1e-5},
+               "eval": {}, "scores": scores}
+    if missing:
+        summary["eval_missing"] = missing
+    (folder / "summary.json").write_text(json.dumps(summary))
+    (folder / "config.json").write_text(json.dumps(cell.config.to_dict()))
+
+
+def test_table_mean_std_bold_and_missing_columns(tmp_path):
+    exp = load_experiment({"name": "T", "output": str(tmp_path), "tasks": {"glue8": {"task": "glue8"},
+                                                                          "math": {"task": "instruct"}},
+                           "methods": ["dp-adamw", "prism"], "privacy": [6], "seeds": [1, 2]})
+    cells = exp.cells()
+    vals = {("glue8", "prism", 1): {"cola": 0.5, "mnli": 0.7}, ("glue8", "prism", 2): {"cola": 0.7, "mnli": 0.7},
+            ("math", "prism", 1): {"gsm8k": 0.3}, ("math", "prism", 2): {"gsm8k": 0.5},
+            ("glue8", "dp-adamw", 1): {"cola": 0.9, "mnli": 0.1}, ("glue8", "dp-adamw", 2): {"cola": 0.9, "mnli": 0.3}}
+    for c in cells:
+        if (c.task_id, c.method, c.seed) in vals:
+            _fake_cell(c, vals[(c.task_id, c.method, c.seed)], {"qqp": "no QQP validation"} if c.task_id == "glue8"
+                       else None)
+    _, table = write_results(exp, cells, tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| Setting"))
+    assert header == "| Setting | Method | CoLA | QQP | MNLI | GSM8K | Avg |"
+    prism = next(line for line in md.splitlines() if "PRISM" in line)
+    adamw = next(line for line in md.splitlines() if "AdamW" in line)
+    # mean ± sample std over the two seeds; Avg per seed (0.5, 0.633) then over seeds
+    assert "0.600 ± 0.141" in prism and "**0.700 ± 0.000**" in prism and "**0.567 ± 0.094**" in prism
+    assert "**0.900 ± 0.000**" in adamw and "| – |" in adamw and "†" in adamw  # AdamW has no math run
+    assert "†" not in prism  # QQP is missing for every row: noted under the table, no dagger
+    assert "QQP (qqp) not evaluated: no QQP validation" in md and "2 grid cell(s) without results" in md
+    tex = (tmp_path / "results.tex").read_text()
+    assert "\\multicolumn{3}{c}{\\textbf{GLUE8}}" in tex and "\\multicolumn{1}{c}{\\textbf{Math-10K}}" in tex
+    assert "\\textbf{0.700$\\pm$0.000}" in tex and "\\cmidrule(lr){3-5}\\cmidrule(lr){6-6}" in tex
+    rows = list(csv.DictReader(open(tmp_path / "results.csv")))
+    assert len(rows) == 10 and {r["metric"] for r in rows} == {"score"}
+
+
+def test_grid_validation_errors(tmp_path):
+    base = {"tasks": {"synthetic": {}}, "output": str(tmp_path)}
+    for bad, match in [({"methods": ["adam"]}, "unknown method"), ({"privacy": ["high"]}, "privacy"),
+                       ({"base": {"stepz": 1}}, "unknown key"), ({"base": {"epsilon": 3}}, "set by the grid"),
+                       ({"base": {"lr": {"prism": 1e-3}}, "methods": ["prism", "lamb"]}, "lr is a per-method"),
+                       ({"tasks": {"a__b": {"task": "sst2"}}}, "id"), ({"tasks": {}}, "at least one task"),
+                       ({"colour": 1}, "unknown top-level")]:
+        with pytest.raises(ConfigError, match=match):
+            load_experiment({**base, **bad})
+
+
+def test_paper_config_round_trips_into_each_cells_train_config():
+    exp = load_experiment(PAPER)
+    assert list(exp.methods) == ["ffa", "lora-rite", "dp-adamw", "lora-plus", "lamb", "prism"]
+    assert set(exp.methods) == set(METHODS)
+    assert [s.epsilon for s in exp.settings] == [None, 6.0, 3.0] and exp.seeds == [42]
+    cells = exp.cells("runs/x")
+    assert len(cells) == 2 * 6 * 3
+    for c in cells:
+        cfg = c.config
+        assert cfg.model == "google/gemma-3-4b-pt"
+        assert (cfg.rank, cfg.alpha, cfg.dropout, cfg.target_modules) == (16, 16.0, 0.05, TARGETS)
+        assert (cfg.batch_size, cfg.micro_batch_size, cfg.seed) == (64.0, 4, 42)
+        assert (cfg.max_grad_norm, cfg.delta) == (1.0, 1e-5)
+        assert cfg.accountant == "prv" and cfg.dp == c.setting.dp
+        if cfg.dp:
+            assert cfg.epsilon == c.setting.epsilon
+        family = {"glue8": "glue", "math10k": "math"}[c.task_id]
+        assert cfg.lr == DEFAULT_LR[family][c.method]  # the paper's Appendix B rates
+        assert cfg.method_kwargs == ({"loraplus_ratio": 6.0} if c.method == "lora-plus" else {})
+        if c.task_id == "glue8":
+            assert (cfg.task, cfg.steps, cfg.max_length, cfg.train_on_inputs, cfg.glue8_per_task) == \
+                ("glue8", 500, 384, False, 1250)
+            assert cfg.data.endswith("shared/data/glue")
+        else:
+            assert (cfg.task, cfg.steps, cfg.max_length, cfg.train_on_inputs) == ("instruct", 300, 256, True)
+            assert cfg.eval_tasks == ["gsm8k", "aqua", "mawps", "svamp"] and cfg.aqua_rule == "first"
+            assert cfg.data.endswith("shared/data/math/math_10k.json")
+        assert cfg.output == f"runs/x/{c.id}"
+    for name in ("cpu-minilm-glue.yaml", "cpu-smollm2-math.yaml"):
+        assert len(load_experiment(CONFIGS / name).cells()) == 18 * (4 if "minilm" in name else 1)
+
+
+def _tiny_gemma3(tok_vocab, multimodal):
+    from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
+
+    text = Gemma3TextConfig(vocab_size=tok_vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=24,  # all projections > r = 16
+                            max_position_embeddings=512, sliding_window=32, eos_token_id=2, pad_token_id=2,
+                            bos_token_id=1)
+    if not multimodal:
+        return text
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=32, patch_size=8)
+    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=16,
+                        boi_token_index=14, eoi_token_index=15, eos_token_id=2, pad_token_id=2, bos_token_id=1)
+
+
+def test_gemma3_architecture_gets_the_papers_five_lora_targets():
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from prismdp.train.tasks import default_targets, lora_exclude_modules
+
+    targets = yaml.safe_load(PAPER.read_text())["base"]["target_modules"]
+    assert targets == TARGETS
+    torch.manual_seed(0)
+    for multimodal, cls in ((False, "Gemma3ForCausalLM"), (True, "Gemma3ForConditionalGeneration")):
+        model = AutoModelForCausalLM.from_config(_tiny_gemma3(300, multimodal))
+        assert type(model).__name__ == cls and default_targets(model) == targets
+        exclude = lora_exclude_modules(model)
+        assert (exclude is None) == (not multimodal)
+        peft = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.05, target_modules=targets,
+                                                exclude_modules=exclude))
+        wrapped = [n for n, m in peft.named_modules() if hasattr(m, "lora_A") and n.split(".")[-1] in targets]
+        assert sorted({n.split(".")[-1] for n in wrapped}) == sorted(targets)
+        assert len(wrapped) == 5 * 2 and not any("vision" in n for n in wrapped)  # 5 kinds x 2 decoder layers
+    # without the exclusion the vision tower's q/k/v would be LoRA targets too (never run on text inputs)
+    plain = get_peft_model(AutoModelForCausalLM.from_config(_tiny_gemma3(300, True)),
+                           LoraConfig(r=4, target_modules=targets))
+    assert any("vision_tower" in n and hasattr(m, "lora_A") for n, m in plain.named_modules())
+
+
+def test_paper_cell_trains_a_tiny_multimodal_gemma3_and_resolves_the_papers_config(tiny_llama_dir, tmp_path):
+    """One paper cell (GLUE8, PRISM, eps 6), only model/data/steps/eval shrunk, on a random Gemma3 checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    torch.manual_seed(0)
+    gemma_dir = tmp_path / "gemma3"
+    AutoModelForCausalLM.from_config(_tiny_gemma3(len(tok), True)).save_pretrained(gemma_dir)
+    tok.save_pretrained(gemma_dir)
+    glue = make_fake_glue(tmp_path / "glue", n_train=8, n_dev=2)
+    exp = load_experiment(PAPER, {"model": str(gemma_dir), "data": str(glue), "steps": 1, "glue8_per_task": 8,
+                                  "eval_examples": 1, "max_new_tokens": 1})
+    run = run_experiment(exp, output=str(tmp_path / "out"), tasks=["glue8"], methods=["prism"],
+                         settings=[Setting(6.0)], progress=False, log=lambda *a: None)
+    assert not run.failures, run.failures
+    cell = tmp_path / "out" / "glue8__prism__eps6__seed42"
+    resolved = json.loads((cell / "config.json").read_text())
+    expected = {"rank": 16, "alpha": 16.0, "dropout": 0.05, "target_modules": TARGETS, "batch_size": 64.0,
+                "micro_batch_size": 4, "max_length": 384, "train_on_inputs": False, "seed": 42, "max_grad_norm": 1.0,
+                "delta": 1e-5, "epsilon": 6.0, "dp": True, "lr": 2e-4, "accountant": "prv", "method": "prism",
+                "task": "glue8", "glue8_per_task": 8, "dataset_size": 64}
+    assert {k: resolved[k] for k in expected} == expected
+    assert "vision_tower" in resolved["lora_exclude_modules"]
+    summary = json.loads((cell / "summary.json").read_text())
+    assert summary["privacy"]["epsilon"] <= 6.0 and set(summary["eval_missing"]) == {"qqp"}
+    assert "qqp" in (tmp_path / "out" / "results.md").read_text().lower()
