@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import secrets
+
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -190,11 +192,12 @@ def make_private(
         dp = DPConfig(float(noise_multiplier), float(max_grad_norm), float(batch_size))
         budget = PrivacyBudget(dp.noise_multiplier, q, delta, target_epsilon=target_epsilon, accountant=accountant)
         budget.check_step(steps)  # the whole run fits in the budget, or fail now
+    base_seed = seed if seed is not None else secrets.randbits(62)  # no seed: fresh OS entropy
     gen = torch.Generator(device=pairs[0].lora_A.weight.device)
-    gen.manual_seed(seed if seed is not None else torch.seed())
-    data_gen = torch.Generator().manual_seed((seed if seed is not None else torch.seed()) + 1)
-    start = move_to_rank_r_start(pairs, init=init, generator=torch.Generator().manual_seed(
-        (seed or 0) + 2)) if spec.rank_r_start else None
+    gen.manual_seed(base_seed)
+    data_gen = torch.Generator().manual_seed(base_seed + 1)
+    start = move_to_rank_r_start(pairs, init=init, generator=torch.Generator().manual_seed(base_seed + 2)) \
+        if spec.rank_r_start else None
     optimizer = spec.build(pairs, grad_sampler.dense_params, lr=lr, dp=dp, generator=gen, budget=budget,
                            **method_kwargs)
     if dp is not None:

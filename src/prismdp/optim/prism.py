@@ -155,16 +155,16 @@ class PRISM(torch.optim.Optimizer):
         frames = self._ensure_frames()
         if self._acc is None:
             self._acc = self._zero_sums()
-        lifted = [self._factor_grads(pair, *g) for pair, g in zip(self.pairs, grads.lora)]
+        factor_grads = [self._factor_grads(pair, *g) for pair, g in zip(self.pairs, grads.lora)]
         sq = torch.zeros(grads.batch_size, dtype=torch.float32, device=frames[0].QA.device)
-        for fr, (gA, gB) in zip(frames, lifted):
+        for fr, (gA, gB) in zip(frames, factor_grads):
             sq = sq + geometry.projected_grad_norm_sq(fr, gA, gB)
         dense = [g.float() for g in grads.dense]
         for g in dense:
             sq = sq + g.flatten(1).square().sum(1)
         coef = self._clip.coefficients(sq)
         keep = coef > 0  # masks examples with non-finite gradients (their coefficient is 0)
-        for acc, tensors in zip(self._acc, [*lifted, *[(g,) for g in dense]]):
+        for acc, tensors in zip(self._acc, [*factor_grads, *[(g,) for g in dense]]):
             for a, t in zip(acc, tensors):
                 t = torch.where(keep.view(-1, *[1] * (t.dim() - 1)), t, torch.zeros_like(t))
                 a.add_(torch.tensordot(coef, t, dims=1))
