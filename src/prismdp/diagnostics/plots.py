@@ -187,7 +187,7 @@ def _amplification(res, path):
     fig, axes = plt.subplots(2, 2, figsize=(17, 10))
     ax = axes[0, 0]
     ax.plot(t, p["ratio"].mean(0), color="tab:blue", lw=1, alpha=0.7, label="per-step ratio")
-    ax.plot(t, p["ratio_ma"].mean(0), color="tab:orange", lw=2.2, label=f"moving average (window {p['window']})")
+    ax.plot(t, p["ratio_ma"].mean(0), color="tab:orange", lw=2.2, label=f"trailing moving average (window {p['window']}; shorter before step {p['window']})")
     ax.axhline(1.0, color="0.4", ls="--", lw=1, label="equal noise (ratio 1)")
     ax.set_title("(a) Intrinsic noise ratio ||N_Z||_F DP-AdamW / ||N_Z||_F PRISM", fontsize=11)
     ax.set_xlabel("optimizer step")
