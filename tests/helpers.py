@@ -64,3 +64,13 @@ def tiny_net(r=2, seed=0, head=True, dtype=torch.float32):
 def net_batch(b, seed=0, T=5, n=10, k=3, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(b, T, n, generator=g, dtype=dtype), torch.randint(0, k, (b,), generator=g)
+
+
+def per_example(model, sampler, x, y):
+    """Per-example gradients of the summed per-example classification losses of one batch."""
+    from prismdp.losses import classification_losses
+
+    with sampler.record() as rec:
+        classification_losses(model(x), y).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return sampler.grads(rec)

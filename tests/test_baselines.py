@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from helpers import net_batch, tiny_net
+from helpers import net_batch, tiny_net, per_example
 from prismdp.engine import DEFAULT_LR, METHODS, make_private
 from prismdp.grad_sample import GradSampler
 from prismdp.lora import LoraSetupError, find_lora_pairs, get_factors, move_to_rank_r_start, set_factors
@@ -46,13 +46,6 @@ def private_setup(method, sigma=0.0, b=4.0, noise_seed=1, clip=C):
                      generator=torch.Generator().manual_seed(noise_seed), budget=None)
     assert isinstance(opt, DPFactorOptimizer)
     return model, pairs, sampler, opt
-
-
-def per_example(model, sampler, x, y):
-    with sampler.record() as rec:
-        classification_losses(model(x), y).sum().backward()
-    model.zero_grad(set_to_none=True)
-    return sampler.grads(rec)
 
 
 def delta_weights(pairs):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from helpers import net_batch, tiny_net
+from helpers import net_batch, tiny_net, per_example
 from prismdp import geometry
 from prismdp.grad_sample import GradSampler
 from prismdp.lora import find_lora_pairs, get_factors, move_to_rank_r_start, set_factors
@@ -26,13 +26,6 @@ def setup_prism(sigma=0.0, b=4.0, seed=0, dtype=torch.float32, noise_seed=1, hea
     opt = PRISM(pairs, lr=0.05, dense_params=sampler.dense_params, dp=DPConfig(sigma, C, b),
                 generator=torch.Generator().manual_seed(noise_seed), **kw)
     return model, pairs, sampler, opt
-
-
-def per_example(model, sampler, x, y):
-    with sampler.record() as rec:
-        classification_losses(model(x), y).sum().backward()
-    model.zero_grad(set_to_none=True)
-    return sampler.grads(rec)
 
 
 def release_norm(opt, release):

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from ..grad_sample import PerExampleGrads
 from ..lora import LoraPair
-from ..privacy.clipping import ClippedSum, DPConfig, gaussian_like
+from ..privacy.clipping import ClippedSum, DPConfig, clipped_sum, gaussian_like
 
 __all__ = ["DPFactorOptimizer", "dp_adamw"]
 
@@ -67,20 +67,20 @@ class DPFactorOptimizer:
     def accumulate(self, grads: PerExampleGrads) -> None:
         if grads.batch_size == 0:
             return
-        tensors = []  # exactly the trained tensors: a frozen lora_A's gradient joins neither norm nor sum
+        # exactly the trained tensors, in the order of _params(): a frozen lora_A joins neither norm nor sum;
+        # lora_A's per-example gradient arrives transposed (n, r)
+        tensors: list[tuple[Tensor, bool]] = []
         for pair, (g_wb, g_wa_t) in zip(self.pairs, grads.lora):
-            tensors += [g_wb, g_wa_t] if pair.trains_A else [g_wb]
-        tensors += list(grads.dense)
-        tensors = [t.float() for t in tensors]
-        sq = sum(t.flatten(1).square().sum(1) for t in tensors)
+            tensors += [(g_wb, False), (g_wa_t, True)] if pair.trains_A else [(g_wb, False)]
+        tensors += [(g, False) for g in grads.dense]
+        tensors = [(t.float(), transposed) for t, transposed in tensors]
+        sq = sum(t.flatten(1).square().sum(1) for t, _ in tensors)
         coef = self._clip.coefficients(sq)
-        keep = coef > 0
         if self._sums is None:
             self._sums = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self._params()]
-        for s, t in zip(self._sums, tensors):
-            t = torch.where(keep.view(-1, *[1] * (t.dim() - 1)), t, torch.zeros_like(t))
-            summed = torch.tensordot(coef, t, dims=1)
-            s.add_(summed if summed.shape == s.shape else summed.T)  # lora_A arrives transposed (n, r)
+        for s, (t, transposed) in zip(self._sums, tensors):
+            summed = clipped_sum(coef, t)
+            s.add_(summed.T if transposed else summed)
 
     @torch.no_grad()
     def step(self, closure=None):

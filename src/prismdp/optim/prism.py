@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from .. import geometry
 from ..grad_sample import PerExampleGrads
 from ..lora import LoraPair, LoraSetupError, get_factors, set_factors
-from ..privacy.clipping import ClippedSum, DPConfig, gaussian_like
+from ..privacy.clipping import ClippedSum, DPConfig, clipped_sum, gaussian_like
 
 __all__ = ["PRISM", "precondition"]
 
@@ -163,11 +163,9 @@ class PRISM(torch.optim.Optimizer):
         for g in dense:
             sq = sq + g.flatten(1).square().sum(1)
         coef = self._clip.coefficients(sq)
-        keep = coef > 0  # masks examples with non-finite gradients (their coefficient is 0)
         for acc, tensors in zip(self._acc, [*factor_grads, *[(g,) for g in dense]]):
             for a, t in zip(acc, tensors):
-                t = torch.where(keep.view(-1, *[1] * (t.dim() - 1)), t, torch.zeros_like(t))
-                a.add_(torch.tensordot(coef, t, dims=1))
+                a.add_(clipped_sum(coef, t))
 
     # ------------------------------------------------------------------ the step
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["DPConfig", "ClippedSum", "gaussian_like"]
+__all__ = ["DPConfig", "ClippedSum", "clipped_sum", "gaussian_like"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,15 @@ class ClippedSum:
             "grad_norm_mean": float(self.norm_sum) / n if n else 0.0,
             "nonfinite": float(self.nonfinite),
         }
+
+
+def clipped_sum(coef: Tensor, per_example: Tensor) -> Tensor:
+    """``sum_i coef_i * per_example_i`` over the leading (example) dimension.
+
+    Examples with coefficient 0 (non-finite gradients) contribute exactly zero, even where their entries are NaN.
+    """
+    keep = (coef > 0).view(-1, *[1] * (per_example.dim() - 1))
+    return torch.tensordot(coef, torch.where(keep, per_example, torch.zeros_like(per_example)), dims=1)
 
 
 def gaussian_like(t: Tensor, std: float, generator: torch.Generator | None) -> Tensor:
