@@ -74,3 +74,15 @@ def per_example(model, sampler, x, y):
         classification_losses(model(x), y).sum().backward()
     model.zero_grad(set_to_none=True)
     return sampler.grads(rec)
+
+
+def gauge_transform(pairs, seed):
+    """(A, B) -> (A R, B R^-T) with a random invertible R per pair: Z is unchanged."""
+    from prismdp.lora import get_factors, set_factors
+
+    g = torch.Generator().manual_seed(seed)
+    for pair in pairs:
+        A, B = get_factors(pair, torch.float64)
+        r = A.shape[1]
+        R = torch.randn(r, r, generator=g, dtype=torch.float64) + 2 * torch.eye(r, dtype=torch.float64)
+        set_factors(pair, A @ R, B @ torch.linalg.inv(R).T)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from helpers import net_batch, tiny_net, per_example
+from helpers import net_batch, tiny_net, per_example, gauge_transform
 from prismdp.engine import DEFAULT_LR, METHODS, make_private
 from prismdp.grad_sample import GradSampler
 from prismdp.lora import LoraSetupError, find_lora_pairs, get_factors, move_to_rank_r_start, set_factors
@@ -250,14 +250,6 @@ def test_lamb_trust_ratio_on_a_hand_computed_case():
 # ------------------------------------------------------------------------------------------ LoRA-RITE
 
 
-def _gauge_transform(pairs, seed):
-    """(A, B) -> (A R, B R^-T) with a random invertible R per pair: Z is unchanged."""
-    g = torch.Generator().manual_seed(seed)
-    for pair in pairs:
-        A, B = get_factors(pair, torch.float64)
-        r = A.shape[1]
-        R = torch.randn(r, r, generator=g, dtype=torch.float64) + 2 * torch.eye(r, dtype=torch.float64)
-        set_factors(pair, A @ R, B @ torch.linalg.inv(R).T)
 
 
 def _z_trajectory(build, gauge, steps=8, **kw):
@@ -266,7 +258,7 @@ def _z_trajectory(build, gauge, steps=8, **kw):
     pairs = find_lora_pairs(model)
     move_to_rank_r_start(pairs, init="random", init_scale=0.3, generator=torch.Generator().manual_seed(3))
     if gauge:
-        _gauge_transform(pairs, seed=11)
+        gauge_transform(pairs, seed=11)
     opt = build(pairs, [], lr=0.02, dp=None, **kw)
     traj = [delta_weights(pairs)]
     for _ in range(steps):

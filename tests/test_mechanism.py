@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from helpers import net_batch, tiny_net, per_example
+from helpers import net_batch, tiny_net, per_example, gauge_transform
 from prismdp import geometry
 from prismdp.grad_sample import GradSampler
 from prismdp.lora import find_lora_pairs, get_factors, move_to_rank_r_start, set_factors
@@ -21,7 +21,7 @@ def setup_prism(sigma=0.0, b=4.0, seed=0, dtype=torch.float32, noise_seed=1, hea
     pairs = find_lora_pairs(model)
     move_to_rank_r_start(pairs)
     if gauge_seed is not None:
-        _gauge_transform(pairs, gauge_seed)
+        gauge_transform(pairs, gauge_seed)
     sampler = GradSampler(model, pairs)
     opt = PRISM(pairs, lr=0.05, dense_params=sampler.dense_params, dp=DPConfig(sigma, C, b),
                 generator=torch.Generator().manual_seed(noise_seed), **kw)
@@ -185,13 +185,6 @@ def test_budget_refusal_happens_before_noise_or_update():
     assert opt.budget.recorded == 0
 
 
-def _gauge_transform(pairs, seed):
-    g = torch.Generator().manual_seed(seed)
-    for pair in pairs:
-        A, B = get_factors(pair, torch.float64)
-        r = A.shape[1]
-        R = torch.randn(r, r, generator=g, dtype=torch.float64) + 2 * torch.eye(r, dtype=torch.float64)
-        set_factors(pair, A @ R, B @ torch.linalg.inv(R).T)
 
 
 def test_gauge_invariant_trajectory_without_noise():
@@ -203,7 +196,7 @@ def test_gauge_invariant_trajectory_without_noise():
         pairs = find_lora_pairs(model)
         move_to_rank_r_start(pairs)
         if gauge:
-            _gauge_transform(pairs, seed=11)
+            gauge_transform(pairs, seed=11)
         sampler = GradSampler(model, pairs)
         opt = PRISM(pairs, lr=0.05, dp=DPConfig(0.0, 0.05, 6.0))
         traj = []

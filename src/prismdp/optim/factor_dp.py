@@ -9,7 +9,6 @@ baseline; :mod:`prismdp.optim.baselines` wraps the other baselines' optimizers t
 
 from __future__ import annotations
 
-import secrets
 from typing import Iterable
 
 import torch
@@ -17,7 +16,7 @@ from torch import Tensor, nn
 
 from ..grad_sample import PerExampleGrads
 from ..lora import LoraPair
-from ..privacy.clipping import ClippedSum, DPConfig, clipped_sum, gaussian_like
+from ..privacy.clipping import ClippedSum, DPConfig, clipped_sum, gaussian_like, noise_generator
 
 __all__ = ["DPFactorOptimizer", "dp_adamw"]
 
@@ -40,10 +39,7 @@ class DPFactorOptimizer:
         self.dense_params = list(dense_params)
         self.dp = dp
         self.budget = budget
-        if generator is None:
-            generator = torch.Generator(device=self.pairs[0].lora_A.weight.device)
-            generator.manual_seed(secrets.randbits(63))
-        self.generator = generator
+        self.generator = noise_generator(self.pairs[0].lora_A.weight.device, generator)
         self._clip = ClippedSum(dp.max_grad_norm)
         self._sums: list[Tensor] | None = None
         self.last_stats: dict[str, float] = {}

@@ -16,7 +16,6 @@ torch optimizer and applies the same geometry (lift, adaptive step, retraction) 
 from __future__ import annotations
 
 import math
-import secrets
 from typing import Iterable
 
 import torch
@@ -25,7 +24,7 @@ from torch import Tensor, nn
 from .. import geometry
 from ..grad_sample import PerExampleGrads
 from ..lora import LoraPair, LoraSetupError, get_factors, set_factors
-from ..privacy.clipping import ClippedSum, DPConfig, clipped_sum, gaussian_like
+from ..privacy.clipping import ClippedSum, DPConfig, clipped_sum, gaussian_like, noise_generator
 
 __all__ = ["PRISM", "precondition"]
 
@@ -98,10 +97,7 @@ class PRISM(torch.optim.Optimizer):
         self.floor_factor = floor_factor
         self.cond_max = cond_max
         self.debias_second_moment = debias_second_moment
-        if generator is None:
-            generator = torch.Generator(device=self.pairs[0].lora_A.weight.device)
-            generator.manual_seed(secrets.randbits(63))
-        self.generator = generator
+        self.generator = noise_generator(self.pairs[0].lora_A.weight.device, generator)
         self._clip = ClippedSum(dp.max_grad_norm) if dp is not None else None
         self._frames: list[geometry.Frame] | None = None
         self._factors: list[tuple[Tensor, Tensor]] | None = None

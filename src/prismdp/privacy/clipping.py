@@ -9,12 +9,13 @@ tensors; nothing here synchronises with the host.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["DPConfig", "ClippedSum", "clipped_sum", "gaussian_like"]
+__all__ = ["DPConfig", "ClippedSum", "clipped_sum", "gaussian_like", "noise_generator"]
 
 
 @dataclass(frozen=True)
@@ -100,3 +101,12 @@ def clipped_sum(coef: Tensor, per_example: Tensor) -> Tensor:
 def gaussian_like(t: Tensor, std: float, generator: torch.Generator | None) -> Tensor:
     """Independent N(0, std^2) entries shaped like ``t``."""
     return torch.randn(t.shape, generator=generator, dtype=t.dtype, device=t.device) * std
+
+
+def noise_generator(device: torch.device, generator: torch.Generator | None = None) -> torch.Generator:
+    """``generator`` itself, or a new one on ``device`` seeded from OS entropy (not reproducible by design)."""
+    if generator is not None:
+        return generator
+    fresh = torch.Generator(device=device)
+    fresh.manual_seed(secrets.randbits(63))
+    return fresh
