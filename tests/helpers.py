@@ -42,21 +42,23 @@ def padded_batch(lengths, vocab=100, seed=0, pad_id=0):
 
 
 class TinyNet(torch.nn.Module):
-    """x (b, T, n) -> mean over T of head(proj2(act(proj(x)))): two LoRA-able linears and a dense head."""
+    """x (b, T, n) -> mean over T of head(proj3(proj2(act(proj(x))))): three LoRA-able linears (two of the same
+    shape, so PRISM batches them as one group) and a dense head."""
 
     def __init__(self, n=10, m=12, k=3):
         super().__init__()
         self.proj = torch.nn.Linear(n, m)
         self.proj2 = torch.nn.Linear(m, m)
+        self.proj3 = torch.nn.Linear(m, m)
         self.head = torch.nn.Linear(m, k)
 
     def forward(self, x):
-        return self.head(self.proj2(torch.tanh(self.proj(x)))).mean(1)
+        return self.head(self.proj3(torch.tanh(self.proj2(torch.tanh(self.proj(x)))))).mean(1)
 
 
 def tiny_net(r=2, seed=0, head=True, dtype=torch.float32):
     torch.manual_seed(seed)
-    cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=["proj", "proj2"],
+    cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=["proj", "proj2", "proj3"],
                      modules_to_save=["head"] if head else None)
     return get_peft_model(TinyNet().to(dtype), cfg)
 

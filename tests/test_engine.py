@@ -104,3 +104,26 @@ def test_nonprivate_prism_decreases_the_loss_on_real_sst2(shared_data):
     with torch.no_grad():
         after = loss().mean().item()
     assert after < before - 0.05, (before, after)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("dp", [True, False])
+def test_dense_lr_gives_the_head_its_own_learning_rate(method, dp):
+    """The head (dense params) moves to a group at dense_lr; every LoRA tensor keeps lr; all still updated."""
+    model = tiny_net(seed=3)
+    private = make_private(model, method=method, lr=1e-3, dense_lr=0.5, dataset_size=64, batch_size=8, steps=2,
+                           noise_multiplier=0.5 if dp else None, seed=0)
+    opt = getattr(private.optimizer, "optimizer", private.optimizer)
+    dense = {id(p) for p in private.grad_sampler.dense_params}
+    lrs = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    assert dense and all(lrs[i] == 0.5 for i in dense)
+    lora = [p for pair in private.pairs for p in pair.trained_params]
+    assert all(lrs[id(p)] in (1e-3, 6e-3) for p in lora)  # 6e-3: LoRA+'s lora_B at ratio 6
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(lrs)  # no tensor in two groups
+    head = [p for p in private.grad_sampler.dense_params]
+    before = [p.detach().clone() for p in head]
+    x, y = net_batch(8, seed=1)
+    private.backward(classification_losses(model(x), y))
+    private.step()
+    moved = max(float((p - b).abs().max()) for p, b in zip(head, before))
+    assert moved > 0.05  # an lr-1e-3 Adam-type step moves each coordinate by ~1e-3 at most

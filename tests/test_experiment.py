@@ -130,9 +130,19 @@ def test_grid_validation_errors(tmp_path):
                        ({"base": {"stepz": 1}}, "unknown key"), ({"base": {"epsilon": 3}}, "set by the grid"),
                        ({"base": {"lr": {"prism": 1e-3}}, "methods": ["prism", "lamb"]}, "lr is a per-method"),
                        ({"tasks": {"a__b": {"task": "sst2"}}}, "id"), ({"tasks": {}}, "at least one task"),
-                       ({"colour": 1}, "unknown top-level")]:
+                       ({"colour": 1}, "unknown top-level"), ({"exclude": "*"}, "exclude"),
+                       ({"exclude": ["*"]}, "no cell")]:
         with pytest.raises(ConfigError, match=match):
             load_experiment({**base, **bad})
+
+
+def test_exclude_patterns_leave_cells_out_of_the_grid(tmp_path):
+    exp = load_experiment({"tasks": {"synthetic": {}}, "output": str(tmp_path), "seeds": [1, 2],
+                           "methods": ["prism", "dp-adamw", "ffa"], "privacy": ["non-dp", 3],
+                           "exclude": ["*__ffa__nondp__*", "*__seed2"]})
+    ids = [c.id for c in exp.cells()]
+    assert ids == ["synthetic__prism__nondp__seed1", "synthetic__dp-adamw__nondp__seed1",
+                   "synthetic__prism__eps3__seed1", "synthetic__dp-adamw__eps3__seed1", "synthetic__ffa__eps3__seed1"]
 
 
 def test_paper_config_round_trips_into_each_cells_train_config():
@@ -233,3 +243,14 @@ def test_paper_cell_trains_a_tiny_multimodal_gemma3_and_resolves_the_papers_conf
     summary = json.loads((cell / "summary.json").read_text())
     assert summary["privacy"]["epsilon"] <= 6.0 and set(summary["eval_missing"]) == {"qqp"}
     assert "qqp" in (tmp_path / "out" / "results.md").read_text().lower()
+
+
+def test_numbers_without_a_dot_are_numbers_not_strings():
+    """YAML 1.1 reads 5e-3 as a string; --set and config files must still give a float (or a clear error)."""
+    from prismdp.experiment import parse_set_overrides
+    from prismdp.train.config import TrainConfig
+
+    assert parse_set_overrides(["lr=5e-3", "head-lr=1e-2", "steps=3"]) == {"lr": 0.005, "head_lr": 0.01, "steps": 3}
+    assert TrainConfig.from_dict({"lr": "5e-3", "head_lr": "2e-2"}).lr == 0.005
+    with pytest.raises(ConfigError, match="lr must be a number"):
+        TrainConfig.from_dict({"lr": "fast"})

@@ -31,7 +31,7 @@ def setup_prism(sigma=0.0, b=4.0, seed=0, dtype=torch.float32, noise_seed=1, hea
 def release_norm(opt, release):
     """Global intrinsic norm of a release (all modules + dense), times the expected batch size: the sum."""
     lora, dense = release
-    sq = sum(geometry.tangent_norm_sq(*opt._factors[k], dA, dB) for k, (dA, dB) in enumerate(lora))
+    sq = sum(geometry.tangent_norm_sq(*get_factors(opt.pairs[k]), dA, dB) for k, (dA, dB) in enumerate(lora))
     sq = sq + sum(d.square().sum() for d in dense)
     return float(sq.sqrt()) * opt.dp.expected_batch_size
 
@@ -94,7 +94,7 @@ def test_released_noise_has_std_sigma_C_over_expected_batch():
     for _ in range(draws):
         lora, dense = opt.private_release()  # no example accumulated: zero gradient, noise only
         for k, (dA, dB) in enumerate(lora):
-            energy[k].append(float(geometry.tangent_norm_sq(*opt._factors[k], dA, dB)))
+            energy[k].append(float(geometry.tangent_norm_sq(*get_factors(pairs[k]), dA, dB)))
         dense_vals.append(torch.cat([d.flatten() for d in dense]))
     for k, pair in enumerate(pairs):
         m, n, r = pair.shape
@@ -199,12 +199,13 @@ def test_gauge_invariant_trajectory_without_noise():
             gauge_transform(pairs, seed=11)
         sampler = GradSampler(model, pairs)
         opt = PRISM(pairs, lr=0.05, dp=DPConfig(0.0, 0.05, 6.0))
-        traj = []
+        traj, clipped = [], []
         for _ in range(20):
             opt.accumulate(per_example(model, sampler, x, y))
             opt.step()
             traj.append([pair.layer.get_delta_weight("default").clone() for pair in pairs])
-        assert opt.last_stats["clip_fraction"] > 0  # clipping is active
+            clipped.append(opt.last_stats["clip_fraction"])
+        assert min(clipped[:5]) > 0  # clipping is active
         trajectories.append(traj)
     moved = (trajectories[0][-1][0] - trajectories[0][0][0]).norm()
     assert moved > 1e-3
@@ -255,8 +256,9 @@ def test_dp_adamw_matches_opacus_clipping_and_noise():
         opt.step()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}, model
 
-    def opacus(sigma):
-        model = tiny_net(seed=1)
+    def opacus(sigma, seed=0):
+        model = tiny_net(seed=1)  # (re-seeds the global generator, which Opacus draws its noise from)
+        torch.manual_seed(1000 + seed)
         gsm = GradSampleModule(model, loss_reduction="mean")
         params = [p for p in model.parameters() if p.requires_grad]
         opt = DPOptimizer(torch.optim.AdamW(params, lr=1e-2), noise_multiplier=sigma, max_grad_norm=C,
@@ -274,8 +276,7 @@ def test_dp_adamw_matches_opacus_clipping_and_noise():
     # same noise law: (noisy - clean) gradients have per-coordinate std sigma C / b in both
     sigma = 3.0
     noise_ours = torch.cat([(ours(sigma, s)[0][n] - g_ours[n]).flatten() for s in range(20) for n in g_ours])
-    torch.manual_seed(0)
-    noise_opacus = torch.cat([(opacus(sigma)[0][n] - g_opacus[n]).flatten() for _ in range(20) for n in g_ours])
+    noise_opacus = torch.cat([(opacus(sigma, s)[0][n] - g_opacus[n]).flatten() for s in range(20) for n in g_ours])
     assert noise_ours.std().item() == pytest.approx(sigma * C / b, rel=0.05)
     assert noise_opacus.std().item() == pytest.approx(sigma * C / b, rel=0.05)
 

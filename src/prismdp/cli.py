@@ -34,6 +34,8 @@ def _add_train(sub) -> None:
     p.add_argument("--batch-size", dest="batch_size", type=float, help="expected logical batch size")
     p.add_argument("--micro-batch-size", dest="micro_batch_size", type=int)
     p.add_argument("--lr", type=float)
+    p.add_argument("--head-lr", dest="head_lr", type=float,
+                   help="learning rate of the trainable non-LoRA parameters (an encoder's new head; default --lr)")
     p.add_argument("--rank", type=int)
     p.add_argument("--alpha", type=float)
     p.add_argument("--dropout", type=float)

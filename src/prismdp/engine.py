@@ -26,7 +26,7 @@ from .optim import PRISM, dp_adamw, dp_ffa, dp_lamb, dp_lora_plus, dp_lora_rite
 from .privacy import PoissonSampler, PrivacyBudget, calibrate_sigma
 from .privacy.clipping import DPConfig
 
-__all__ = ["make_private", "PrivateLoRA", "METHODS", "register_method", "DEFAULT_LR"]
+__all__ = ["make_private", "PrivateLoRA", "METHODS", "register_method", "DEFAULT_LR", "set_dense_lr"]
 
 # The paper's learning rates per task family (Appendix B, "Method-specific hyperparameters"), and for the built-in
 # demo task (100 steps at epsilon 3). prism's rate comes from two hand-run trials (1e-2 with the demo defaults
@@ -74,6 +74,24 @@ register_method("ffa", dp_ffa, prepare=freeze_lora_A, trainable="B")
 register_method("lora-plus", dp_lora_plus)
 register_method("lamb", dp_lamb)
 register_method("lora-rite", dp_lora_rite)
+
+
+def set_dense_lr(optimizer, dense_params: list[nn.Parameter], lr: float) -> None:
+    """Give the dense (non-LoRA) parameters their own learning rate: they move to a param group of their own (other
+    hyper-parameters copied from the group they leave).  Call before the first step."""
+    if not lr > 0:
+        raise ValueError(f"dense_lr must be > 0, got {lr}")
+    inner = getattr(optimizer, "optimizer", optimizer)  # DPFactorOptimizer wraps a torch optimizer
+    dense = {id(p) for p in dense_params}
+    for group in list(inner.param_groups):
+        moved = [p for p in group["params"] if id(p) in dense]
+        if not moved:
+            continue
+        if len(moved) == len(group["params"]):
+            group["lr"] = lr
+            continue
+        group["params"] = [p for p in group["params"] if id(p) not in dense]
+        inner.add_param_group({**{k: v for k, v in group.items() if k != "params"}, "params": moved, "lr": lr})
 
 
 @dataclass
@@ -161,13 +179,16 @@ def make_private(
     seed: int | None = None,
     init: str = "spectral",
     adapter: str = "default",
+    dense_lr: float | None = None,
     **method_kwargs,
 ) -> PrivateLoRA:
     """Validate the model, calibrate sigma for exactly ``steps`` Poisson steps and build the optimizer.
 
     ``batch_size`` is the *expected* logical batch size (sample rate ``q = batch_size / dataset_size``).  Give
     ``target_epsilon`` (sigma is calibrated) or ``noise_multiplier`` (epsilon is tracked and capped at nothing);
-    neither gives a non-private run with the same geometry.  Every check runs before any noise is drawn.
+    neither gives a non-private run with the same geometry.  ``dense_lr`` sets the learning rate of the trainable
+    non-LoRA parameters (e.g. a new classification head; default ``lr``).  Every check runs before any noise is
+    drawn.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {sorted(METHODS)}")
@@ -200,6 +221,8 @@ def make_private(
         if spec.rank_r_start else None
     optimizer = spec.build(pairs, grad_sampler.dense_params, lr=lr, dp=dp, generator=gen, budget=budget,
                            **method_kwargs)
+    if dense_lr is not None and grad_sampler.dense_params:
+        set_dense_lr(optimizer, grad_sampler.dense_params, dense_lr)
     if dp is not None:
         grad_sampler.arm()
     data_sampler = PoissonSampler(dataset_size, q, steps, generator=data_gen)

@@ -130,16 +130,19 @@ class PrismProbe:
         after = _factors(pairs)
         self.t += 1
         noise_sq = sum(float(measures.lift_sq(A, B, xA, xB)) for (A, B), (xA, xB) in zip(before, noise))
-        if len(calls) == 2 * len(pairs):  # adaptive PRISM
+        groups = private.optimizer.groups  # one batched preconditioner call per shape group and factor
+        if len(calls) == 2 * len(groups):  # adaptive PRISM
             pre, aggr = 0.0, 0.0
-            for k, ((A, B), (xA, xB)) in enumerate(zip(before, noise)):
-                (PA, wA), (PB, wB) = calls[2 * k], calls[2 * k + 1]
-                pre += float(measures.lift_sq(A, B, xA @ PA.double(), xB @ PB.double()))
-                aggr = max(aggr, float(torch.cat([wA, wB]).min().rsqrt()))
+            for gi, g in enumerate(groups):
+                (PA, wA), (PB, wB) = calls[2 * gi], calls[2 * gi + 1]
+                for j, k in enumerate(g):
+                    (A, B), (xA, xB) = before[k], noise[k]
+                    pre += float(measures.lift_sq(A, B, xA @ PA[j].double(), xB @ PB[j].double()))
+                    aggr = max(aggr, float(torch.cat([wA[j], wB[j]]).min().rsqrt()))
         elif not calls:  # non-adaptive PRISM: P = I
             pre, aggr = noise_sq, 1.0
         else:
-            raise RuntimeError(f"expected 2 preconditioner calls per LoRA pair, recorded {len(calls)}")
+            raise RuntimeError(f"expected 2 preconditioner calls per shape group, recorded {len(calls)}")
         dz, stress, S = _common(pairs, before, after)
         return StepRecord(self.t, stats.get("batch_size", math.nan), stats.get("clip_fraction", math.nan),
                           stats.get("clip_coef_mean", math.nan), sum(dz), noise_sq, pre, aggr, stress, S, dz)

@@ -16,6 +16,7 @@ A grid is methods x privacy settings x tasks x seeds.  The file (keys with dashe
     seeds: [42]
     labels: {lora-rite: RITE}        # optional display names of methods in the tables
     columns: [cola, sst2, ...]       # optional column order of the tables
+    exclude: ["*__ffa__nondp__*"]    # optional: cell-id patterns (fnmatch) left out of the grid
 
 A cell's values are ``base``, then ``methods[m]``, then ``tasks[t]``, then the command line's ``--set KEY=VALUE``,
 then the cell's own ``method``, ``dp``/``epsilon``, ``seed`` and ``output = OUT/<cell id>``.  ``lr`` may be a
@@ -27,6 +28,7 @@ resolved against the folder of the YAML file.  Cell ids: ``<task id>__<method>__
 from __future__ import annotations
 
 import copy
+import fnmatch
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +42,7 @@ __all__ = ["Setting", "Cell", "Experiment", "load_experiment", "parse_setting", 
 #: Display names of the methods (the paper's Table 2 spelling).
 DEFAULT_LABELS = {"ffa": "FFA", "lora-rite": "RITE", "dp-adamw": "AdamW", "lora-plus": "LoRA+", "lamb": "LAMB",
                   "prism": "PRISM"}
-_TOP_KEYS = {"name", "output", "base", "tasks", "methods", "privacy", "seeds", "labels", "columns"}
+_TOP_KEYS = {"name", "output", "base", "tasks", "methods", "privacy", "seeds", "labels", "columns", "exclude"}
 _PATH_KEYS = ("data", "eval_data")
 _CELL_KEYS = ("method", "dp", "epsilon", "seed", "output")  # set by the grid, not by the layers
 _NONDP = {"non-dp", "nondp", "non_dp", "none", "no-dp", "off", "false"}
@@ -107,6 +109,10 @@ class Experiment:
     labels: Dict[str, str]
     columns: Optional[List[str]] = None
     overrides: Dict[str, Any] = field(default_factory=dict)
+    exclude: List[str] = field(default_factory=list)
+
+    def excluded(self, cell_id: str) -> bool:
+        return any(fnmatch.fnmatchcase(cell_id, pat) for pat in self.exclude)
 
     def label(self, method: str) -> str:
         return self.labels.get(method, DEFAULT_LABELS.get(method, method))
@@ -138,7 +144,8 @@ class Experiment:
                     if methods and method not in methods:
                         continue
                     for seed in self.seeds:
-                        if seeds and seed not in seeds:
+                        if (seeds and seed not in seeds) or self.excluded(
+                                f"{task_id}__{method}__{setting.key}__seed{seed}"):
                             continue
                         cells.append(self._cell(task_id, method, setting, seed, out_root))
         return cells
@@ -217,7 +224,13 @@ def parse_set_overrides(items: Sequence[str]) -> Dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
         k, v = item.split("=", 1)
-        out[k.strip().replace("-", "_")] = yaml.safe_load(v) if v.strip() else None
+        value = yaml.safe_load(v) if v.strip() else None
+        if isinstance(value, str):  # YAML 1.1 reads 5e-3 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        out[k.strip().replace("-", "_")] = value
     return out
 
 
@@ -283,10 +296,14 @@ def load_experiment(source: Any, overrides: Optional[Dict[str, Any]] = None) -> 
     columns = raw.get("columns")
     if columns is not None and (not isinstance(columns, list) or not all(isinstance(c, str) for c in columns)):
         raise ConfigError("columns: expected a list of column names")
+    exclude = raw.get("exclude") or []
+    if not isinstance(exclude, list) or not all(isinstance(p, str) for p in exclude):
+        raise ConfigError("exclude: expected a list of cell-id patterns such as '*__ffa__nondp__*'")
     over = _resolve_paths(dict(overrides or {}), Path.cwd())
     _check_layer(over, "--set")
     exp = Experiment(path, str(raw.get("name") or (path.stem if path else "experiment")),
                      str(raw.get("output") or f"runs/{path.stem if path else 'experiment'}"), base, tasks, methods,
-                     settings, [int(s) for s in seeds_raw], labels, columns, over)
-    exp.cells()  # validate every cell now, before anything runs
+                     settings, [int(s) for s in seeds_raw], labels, columns, over, list(exclude))
+    if not exp.cells():
+        raise ConfigError(f"exclude: the patterns {exclude} leave no cell in the grid")
     return exp

@@ -42,7 +42,7 @@ class DPFactorOptimizer:
         self.generator = noise_generator(self.pairs[0].lora_A.weight.device, generator)
         self._clip = ClippedSum(dp.max_grad_norm)
         self._sums: list[Tensor] | None = None
-        self.last_stats: dict[str, float] = {}
+        self._last_clip = None
         covered = {id(p) for p in self._params()}
         stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in covered and p.requires_grad]
         if stray:
@@ -92,11 +92,15 @@ class DPFactorOptimizer:
             p.grad = (s / b).to(p.dtype)
         loss = self.optimizer.step(closure)
         self._sums = None
-        self.last_stats = self._clip.stats()
-        self._clip.reset()
+        self._last_clip = self._clip.take()
         if self.budget is not None:
             self.budget.record_step()
         return loss
+
+    @property
+    def last_stats(self) -> dict[str, float]:
+        """Clipping statistics of the last step (reading them synchronises with the device)."""
+        return self._last_clip.as_dict() if self._last_clip is not None else {}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

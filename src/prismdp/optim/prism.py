@@ -26,7 +26,17 @@ from ..grad_sample import PerExampleGrads
 from ..lora import LoraPair, LoraSetupError, get_factors, set_factors
 from ..privacy.clipping import ClippedSum, DPConfig, clipped_sum, gaussian_like, noise_generator
 
-__all__ = ["PRISM", "precondition"]
+__all__ = ["PRISM", "precondition", "shape_groups"]
+
+
+def shape_groups(pairs: list[LoraPair]) -> list[list[int]]:
+    """Indices of the pairs grouped by (m, n, r, scaling, dtype, device), in order of first appearance: the
+    optimizer processes each group as one stacked batch."""
+    groups: dict[tuple, list[int]] = {}
+    for k, pair in enumerate(pairs):
+        w = pair.lora_A.weight
+        groups.setdefault((pair.shape, pair.scaling, w.dtype, w.device), []).append(k)
+    return list(groups.values())
 
 
 def precondition(
@@ -99,10 +109,11 @@ class PRISM(torch.optim.Optimizer):
         self.debias_second_moment = debias_second_moment
         self.generator = noise_generator(self.pairs[0].lora_A.weight.device, generator)
         self._clip = ClippedSum(dp.max_grad_norm) if dp is not None else None
-        self._frames: list[geometry.Frame] | None = None
-        self._factors: list[tuple[Tensor, Tensor]] | None = None
-        self._acc: list[list[Tensor]] | None = None  # [pair sums (gA, gB)..., dense sums...]
-        self.last_stats: dict[str, Tensor | float] = {}
+        self._last_clip = None
+        self.groups = shape_groups(self.pairs)
+        self._frames: list[geometry.Frame] | None = None  # per group, stacked
+        self._factors: list[tuple[Tensor, Tensor]] | None = None  # per group, stacked
+        self._acc: list[list[Tensor]] | None = None  # [group sums (gA, gB)..., dense sums...]
         self._balance_factors()
 
     # ------------------------------------------------------------------ setup
@@ -122,10 +133,26 @@ class PRISM(torch.optim.Optimizer):
             A, B = geometry.balance(A, B)
             set_factors(pair, A, B)
 
+    def _stacked_factors(self, g: list[int]) -> tuple[Tensor, Tensor]:
+        """``(A, B)`` of the group's pairs stacked: (k, m, r), (k, n, r), float32."""
+        root = math.sqrt(self.pairs[g[0]].scaling)
+        A = torch.stack([self.pairs[k].lora_B.weight for k in g]).float() * root
+        B = torch.stack([self.pairs[k].lora_A.weight for k in g]).float().mT * root
+        return A, B
+
+    def _set_stacked_factors(self, g: list[int], A: Tensor, B: Tensor) -> None:
+        inv_root = 1.0 / math.sqrt(self.pairs[g[0]].scaling)
+        WB, WA = A * inv_root, B.mT * inv_root
+        for j, k in enumerate(g):
+            wa, wb = self.pairs[k].params
+            wb.copy_(WB[j])
+            wa.copy_(WA[j])
+
     def _ensure_frames(self) -> list[geometry.Frame]:
-        """QR frames of the current factors, computed once per step and reused by every micro-batch."""
+        """Per shape group: the stacked factors and their QR frames, computed once per step and reused by every
+        micro-batch."""
         if self._frames is None:
-            self._factors = [get_factors(p, torch.float32) for p in self.pairs]
+            self._factors = [self._stacked_factors(g) for g in self.groups]
             self._frames = [geometry.frame(A, B) for A, B in self._factors]
         return self._frames
 
@@ -133,17 +160,26 @@ class PRISM(torch.optim.Optimizer):
         sums = [[torch.zeros_like(A), torch.zeros_like(B)] for A, B in self._factors]
         return sums + [[torch.zeros(p.shape, dtype=torch.float32, device=p.device)] for p in self.dense_params]
 
-    @staticmethod
-    def _factor_grads(pair: LoraPair, g_wb: Tensor, g_wa_t: Tensor) -> tuple[Tensor, Tensor]:
-        """Parameter-space gradients -> ``(gA, gB) = (G B, G^T A)`` of the intrinsic loss."""
-        inv_root = 1.0 / math.sqrt(pair.scaling)
-        return g_wb.float() * inv_root, g_wa_t.float() * inv_root
+    def _stack_grads(self, g: list[int], per_pair, dim: int) -> tuple[Tensor, Tensor]:
+        """Parameter-space gradients of the group's pairs -> stacked ``(gA, gB) = (G B, G^T A)`` of the intrinsic
+        loss (stacked along ``dim``)."""
+        inv_root = 1.0 / math.sqrt(self.pairs[g[0]].scaling)
+        out = []
+        for part in (0, 1):
+            t = torch.stack([per_pair[k][part] for k in g], dim=dim)
+            t = t.float() if t.dtype != torch.float32 else t
+            out.append(t.mul_(inv_root) if inv_root != 1.0 else t)
+        return out[0], out[1]
 
     # ------------------------------------------------------------------ private accumulation
 
     @torch.no_grad()
     def accumulate(self, grads: PerExampleGrads) -> None:
-        """Clip one micro-batch of per-example gradients (one global intrinsic norm) and add them to the sums."""
+        """Clip one micro-batch of per-example gradients (one global intrinsic norm) and add them to the sums.
+
+        Modules of equal shape are processed as one batch: (b, k, m, r) per-example factor gradients, one
+        triangular solve and one reduction per group, no host synchronisation.
+        """
         if self.dp is None:
             raise RuntimeError("accumulate() is for the private optimizer; the non-private one reads p.grad in step()")
         if grads.batch_size == 0:
@@ -151,15 +187,15 @@ class PRISM(torch.optim.Optimizer):
         frames = self._ensure_frames()
         if self._acc is None:
             self._acc = self._zero_sums()
-        factor_grads = [self._factor_grads(pair, *g) for pair, g in zip(self.pairs, grads.lora)]
+        group_grads = [self._stack_grads(g, grads.lora, dim=1) for g in self.groups]  # (b, k, m, r), (b, k, n, r)
         sq = torch.zeros(grads.batch_size, dtype=torch.float32, device=frames[0].QA.device)
-        for fr, (gA, gB) in zip(frames, factor_grads):
-            sq = sq + geometry.projected_grad_norm_sq(fr, gA, gB)
+        for fr, (gA, gB) in zip(frames, group_grads):
+            sq = sq + geometry.projected_grad_norm_sq(fr, gA, gB).sum(-1)
         dense = [g.float() for g in grads.dense]
         for g in dense:
             sq = sq + g.flatten(1).square().sum(1)
         coef = self._clip.coefficients(sq)
-        for acc, tensors in zip(self._acc, [*factor_grads, *[(g,) for g in dense]]):
+        for acc, tensors in zip(self._acc, [*group_grads, *[(g,) for g in dense]]):
             for a, t in zip(acc, tensors):
                 a.add_(clipped_sum(coef, t))
 
@@ -182,14 +218,14 @@ class PRISM(torch.optim.Optimizer):
         self._frames, self._factors, self._acc = None, None, None
         return loss
 
-    @torch.no_grad()
-    def private_release(self) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor]]:
-        """The Gaussian mechanism's output for this logical batch (Eq. dp_tangent_noise).
+    @property
+    def last_stats(self) -> dict[str, float]:
+        """Clipping statistics of the last private step (reading them synchronises with the device)."""
+        return self._last_clip.as_dict() if self._last_clip is not None else {}
 
-        Per pair the lift ``(dA_dp, dB_dp)`` of ``(sum_i alpha_i P(G_i) + sigma C P(Xi)) / b`` and per dense
-        parameter ``(sum_i alpha_i g_i + sigma C xi) / b``, with ``b`` the expected batch size.  Everything the
-        optimizer does afterwards is post-processing of this release.
-        """
+    @torch.no_grad()
+    def _release_groups(self) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor]]:
+        """:meth:`private_release` per shape group: stacked (k, m, r) / (k, n, r) lifts."""
         dp = self.dp
         if dp is None:
             raise RuntimeError("private_release() needs a DPConfig")
@@ -207,58 +243,80 @@ class PRISM(torch.optim.Optimizer):
                 dA, dB = dA + std * xi_A, dB + std * xi_B
             lora.append((dA / b, dB / b))
         dense = []
-        for (s,) in acc[len(self.pairs):]:
+        for (s,) in acc[len(self.groups):]:
             dense.append((s + gaussian_like(s, std, self.generator) if std > 0 else s) / b)
         return lora, dense
 
+    @torch.no_grad()
+    def private_release(self) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor]]:
+        """The Gaussian mechanism's output for this logical batch (Eq. dp_tangent_noise).
+
+        Per pair the lift ``(dA_dp, dB_dp)`` of ``(sum_i alpha_i P(G_i) + sigma C P(Xi)) / b`` and per dense
+        parameter ``(sum_i alpha_i g_i + sigma C xi) / b``, with ``b`` the expected batch size.  Everything the
+        optimizer does afterwards is post-processing of this release.
+        """
+        groups, dense = self._release_groups()
+        lora: list = [None] * len(self.pairs)
+        for g, (dA, dB) in zip(self.groups, groups):
+            for j, k in enumerate(g):
+                lora[k] = (dA[j], dB[j])
+        return lora, dense
+
     def _private_step(self) -> None:
-        lora, dense = self.private_release()
+        lora, dense = self._release_groups()
         tau = self.dp.noise_std / float(self.dp.expected_batch_size)  # per-dimension std of the released noise
-        for k, (dA, dB) in enumerate(lora):
-            self._update_pair(k, dA, dB, tau)
+        for gi, (dA, dB) in enumerate(lora):
+            self._update_group(gi, dA, dB, tau)
         self._dense_step(dense)
-        self.last_stats = self._clip.stats()
-        self._clip.reset()
+        self._last_clip = self._clip.take()
 
     def _nonprivate_step(self) -> None:
         frames = self._ensure_frames()
-        for k, (pair, fr) in enumerate(zip(self.pairs, frames)):
+        grads = []
+        for pair in self.pairs:
             wa, wb = pair.params
-            if wa.grad is None and wb.grad is None:
+            grads.append(None if wa.grad is None and wb.grad is None else (
+                wb.grad if wb.grad is not None else torch.zeros_like(wb),
+                (wa.grad if wa.grad is not None else torch.zeros_like(wa)).T))
+        for gi, (g, fr) in enumerate(zip(self.groups, frames)):
+            if all(grads[k] is None for k in g):
                 continue
-            g_wb = wb.grad if wb.grad is not None else torch.zeros_like(wb)
-            g_wa = wa.grad if wa.grad is not None else torch.zeros_like(wa)
-            gA, gB = self._factor_grads(pair, g_wb, g_wa.T)
+            filled = {k: grads[k] if grads[k] is not None else (torch.zeros_like(self.pairs[k].lora_B.weight),
+                                                                  torch.zeros_like(self.pairs[k].lora_A.weight).T)
+                      for k in g}
+            gA, gB = self._stack_grads(g, filled, dim=0)
             dA, dB = geometry.lift_with_frame(fr, gA, gB)
-            self._update_pair(k, dA, dB, 0.0)
+            self._update_group(gi, dA, dB, 0.0)
         self._dense_step([p.grad.float() if p.grad is not None else None for p in self.dense_params])
 
-    def _update_pair(self, k: int, dA: Tensor, dB: Tensor, tau: float) -> None:
-        """Adaptive direction from the (noisy) tangent update, then retraction and Procrustes alignment."""
-        pair, fr, (A, B) = self.pairs[k], self._frames[k], self._factors[k]
+    def _update_group(self, gi: int, dA: Tensor, dB: Tensor, tau: float) -> None:
+        """Adaptive direction from the (noisy) tangent update, then retraction and Procrustes alignment, for the
+        stacked pairs of one shape group."""
+        fr, (A, B) = self._frames[gi], self._factors[gi]
         lr = self.param_groups[0]["lr"]
-        UA, UB = self._adaptive_direction(pair, fr, dA, dB, tau) if self.adaptive else (dA, dB)
+        UA, UB = self._adaptive_direction(gi, fr, dA, dB, tau) if self.adaptive else (dA, dB)
         A_new, B_new = geometry.retract(A, B, UA, UB, lr)
         A_new, B_new = geometry.procrustes_align(A_new, B_new, A, B)
-        set_factors(pair, A_new, B_new)
+        self._set_stacked_factors(self.groups[gi], A_new, B_new)
 
-    def _adaptive_direction(self, pair, fr, dA, dB, tau):
+    def _adaptive_direction(self, gi, fr, dA, dB, tau):
         beta1, beta2 = self.param_groups[0]["betas"]
         eps = self.param_groups[0]["eps"]
-        m, n, r = pair.shape
-        st = self.state[pair.lora_A.weight]
+        g = self.groups[gi]
+        m, n, r = self.pairs[g[0]].shape
+        st = self.state[self.pairs[g[0]].lora_A.weight]  # the group's state lives on its first pair
         if not st:
             st["step"] = 0
             st["mA"], st["mB"] = torch.zeros_like(dA), torch.zeros_like(dB)
-            st["VA"] = torch.zeros(r, r, dtype=torch.float64, device=dA.device)
-            st["VB"] = torch.zeros(r, r, dtype=torch.float64, device=dA.device)
+            st["VA"] = torch.zeros(len(g), r, r, dtype=torch.float64, device=dA.device)
+            st["VB"] = torch.zeros(len(g), r, r, dtype=torch.float64, device=dA.device)
         st["step"] += 1
         t = st["step"]
         st["mA"].mul_(beta1).add_(dA, alpha=1 - beta1)
         st["mB"].mul_(beta1).add_(dB, alpha=1 - beta1)
         dA64, dB64 = dA.double(), dB.double()
-        st["VA"].mul_(beta2).add_(dA64.T @ dA64 / m, alpha=1 - beta2)
-        st["VB"].mul_(beta2).add_(dB64.T @ dB64 / n, alpha=1 - beta2)
+        st["VA"].mul_(beta2).add_(dA64.mT @ dA64 / m, alpha=1 - beta2)
+        st["VB"].mul_(beta2).add_(dB64.mT @ dB64 / n, alpha=1 - beta2)
         VA = st["VA"] / (1 - beta2**t)
         VB = st["VB"] / (1 - beta2**t)
         floor_A = floor_B = 0.0
@@ -266,13 +324,13 @@ class PRISM(torch.optim.Optimizer):
             eye = torch.eye(r, dtype=torch.float64, device=dA.device)
             inv_RA = torch.linalg.solve_triangular(fr.RA.double(), eye, upper=True)
             inv_RB = torch.linalg.solve_triangular(fr.RB.double(), eye, upper=True)
-            M_inv, N_inv = inv_RA @ inv_RA.T, inv_RB @ inv_RB.T
+            M_inv, N_inv = inv_RA @ inv_RA.mT, inv_RB @ inv_RB.mT
             noise_A = tau**2 * (m - r) / m * N_inv  # E[Xi_A^T Xi_A / m] tau^2
             noise_B = tau**2 * M_inv  # E[Xi_B^T Xi_B / n] tau^2
             if self.debias_second_moment:
                 VA, VB = VA - noise_A, VB - noise_B
-            floor_A = self.floor_factor * torch.trace(noise_A) / r
-            floor_B = self.floor_factor * torch.trace(noise_B) / r
+            floor_A = self.floor_factor * noise_A.diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True) / r
+            floor_B = self.floor_factor * noise_B.diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True) / r
         PA, wA = precondition(VA, floor_A, eps, self.cond_max)
         PB, wB = precondition(VB, floor_B, eps, self.cond_max)
         bc1 = 1 - beta1**t

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["DPConfig", "ClippedSum", "clipped_sum", "gaussian_like", "noise_generator"]
+__all__ = ["DPConfig", "ClippedSum", "ClipStats", "clipped_sum", "gaussian_like", "noise_generator"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,28 @@ class DPConfig:
     def noise_std(self) -> float:
         """Standard deviation of the noise on the *summed* clipped gradients: sigma C."""
         return self.noise_multiplier * self.max_grad_norm
+
+
+@dataclass(frozen=True)
+class ClipStats:
+    """Clipping statistics of one logical batch, as device tensors (no synchronisation until :meth:`as_dict`)."""
+
+    examples: Tensor
+    clipped: Tensor
+    coef_sum: Tensor
+    nonfinite: Tensor
+    norm_sum: Tensor
+
+    def as_dict(self) -> dict[str, float]:
+        """Host-side summary (synchronises; call once per logical step at most)."""
+        n = float(self.examples)
+        return {
+            "batch_size": n,
+            "clip_fraction": float(self.clipped) / n if n else 0.0,
+            "clip_coef_mean": float(self.coef_sum) / n if n else 1.0,
+            "grad_norm_mean": float(self.norm_sum) / n if n else 0.0,
+            "nonfinite": float(self.nonfinite),
+        }
 
 
 class ClippedSum:
@@ -77,16 +99,18 @@ class ClippedSum:
         self.norm_sum += norms.sum(dtype=torch.float64)
         return coef
 
+    def snapshot(self) -> ClipStats:
+        return ClipStats(self.examples, self.clipped, self.coef_sum, self.nonfinite, self.norm_sum)
+
     def stats(self) -> dict[str, float]:
-        """Host-side summary (synchronises; call once per logical step)."""
-        n = float(self.examples)
-        return {
-            "batch_size": n,
-            "clip_fraction": float(self.clipped) / n if n else 0.0,
-            "clip_coef_mean": float(self.coef_sum) / n if n else 1.0,
-            "grad_norm_mean": float(self.norm_sum) / n if n else 0.0,
-            "nonfinite": float(self.nonfinite),
-        }
+        """Host-side summary (synchronises)."""
+        return self.snapshot().as_dict()
+
+    def take(self) -> ClipStats:
+        """The batch's statistics (still on the device), and a reset for the next batch."""
+        out = self.snapshot()
+        self.reset()
+        return out
 
 
 def clipped_sum(coef: Tensor, per_example: Tensor) -> Tensor:
@@ -95,7 +119,7 @@ def clipped_sum(coef: Tensor, per_example: Tensor) -> Tensor:
     Examples with coefficient 0 (non-finite gradients) contribute exactly zero, even where their entries are NaN.
     """
     keep = (coef > 0).view(-1, *[1] * (per_example.dim() - 1))
-    return torch.tensordot(coef, torch.where(keep, per_example, torch.zeros_like(per_example)), dims=1)
+    return torch.tensordot(coef, torch.where(keep, per_example, 0.0), dims=1)
 
 
 def gaussian_like(t: Tensor, std: float, generator: torch.Generator | None) -> Tensor:

@@ -42,6 +42,7 @@ class TrainConfig:
     batch_size: float | None = None  # expected logical batch (Poisson rate q = batch_size / dataset size)
     micro_batch_size: int = 8
     lr: float | None = None  # None = the method's default for the task family
+    head_lr: float | None = None  # lr of the trainable non-LoRA parameters (an encoder's new head); None = lr
     rank: int | None = None
     alpha: float | None = None
     dropout: float = 0.05
@@ -87,6 +88,8 @@ class TrainConfig:
                 bad(key, f"must be a positive number, got {v!r}")
         if self.lr is not None and not self.lr > 0:
             bad("lr", f"must be a positive number, got {self.lr!r}")
+        if self.head_lr is not None and not self.head_lr > 0:
+            bad("head_lr", f"must be a positive number, got {self.head_lr!r}")
         if not 0 < self.delta < 1:
             bad("delta", f"must lie in (0, 1), got {self.delta!r}")
         if not 0 <= self.dropout < 1:
@@ -135,6 +138,14 @@ class TrainConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"{source}: unknown key(s) {unknown}; valid keys: {sorted(known)}")
+        types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+        values = dict(values)
+        for k, v in values.items():  # YAML 1.1 reads 5e-3 (no dot) as a string
+            if isinstance(v, str) and types[k].startswith(("float", "int | float", "float | None")):
+                try:
+                    values[k] = float(v)
+                except ValueError:
+                    raise ConfigError(f"{source}: {k} must be a number, got {v!r}") from None
         return cls(**values)
 
 

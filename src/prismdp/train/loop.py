@@ -159,7 +159,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
     private = make_private(
         model, method=cfg.method, lr=lr, dataset_size=len(data.train), batch_size=cfg.batch_size, steps=cfg.steps,
         target_epsilon=cfg.epsilon if cfg.dp else None, delta=cfg.delta, max_grad_norm=cfg.max_grad_norm,
-        accountant=cfg.accountant, seed=cfg.seed, init=cfg.init, **cfg.method_kwargs,
+        accountant=cfg.accountant, seed=cfg.seed, init=cfg.init, dense_lr=cfg.head_lr, **cfg.method_kwargs,
     )
     resolved = {**cfg.to_dict(), "lr": lr, "target_modules": targets, "dataset_size": len(data.train),
                 "noise_multiplier": private.dp.noise_multiplier if private.dp else None,

@@ -1,0 +1,1 @@
+"""prismdp's benchmarks (run ``python -m bench --help`` from the repository root)."""

@@ -1,0 +1,213 @@
+"""Benchmark workloads (a frozen base model + LoRA targets + a batch shape) and the training-step variants timed on
+them.  Every variant runs one *logical* step: ``batch`` examples as ``batch // micro`` micro-batches of ``micro``,
+fixed length ``seq_len`` (random token ids, full attention mask), then one optimizer update.
+
+Variants:
+
+* ``lora-adamw``      non-private LoRA: PEFT + ``torch.optim.AdamW``, mean loss, gradient accumulation.
+* ``dp-adamw``        prismdp's factor-space DP-AdamW (``make_private(method="dp-adamw")``).
+* ``prism``           prismdp's PRISM (``make_private(method="prism")``).
+* ``opacus-dp-adamw`` Opacus' own DP-AdamW: ``PrivacyEngine.make_private`` (hooks mode) around the same PEFT
+                      model, micro-batches as Opacus' virtual steps (``signal_skip_step``), as BatchMemoryManager
+                      does.
+
+The private variants use a fixed noise multiplier (1.0) and clipping norm 1.0: the cost does not depend on them.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List
+
+import torch
+from torch import nn
+
+VARIANTS = ("lora-adamw", "dp-adamw", "prism", "opacus-dp-adamw")
+
+
+@dataclass
+class Workload:
+    name: str
+    description: str
+    task_type: str  # "seq_cls" | "causal_lm"
+    targets: List[str]
+    batch: int
+    micro: int
+    seq_len: int
+    rank: int = 16
+    load: Callable[[], nn.Module] = field(default=None, repr=False)  # frozen base model, eval-mode weights
+
+    @property
+    def n_micro(self) -> int:
+        return self.batch // self.micro
+
+
+def _load_minilm() -> nn.Module:
+    from prismdp.models import load_model
+
+    return load_model(None, "seq_cls", num_labels=2)[0]
+
+
+def _load_smollm2() -> nn.Module:
+    from prismdp.models import load_model
+
+    return load_model(None, "causal_lm")[0]
+
+
+def _tiny_bert() -> nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=200, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=64, num_labels=2)
+    return BertForSequenceClassification(cfg)
+
+
+def _tiny_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg)
+
+
+WORKLOADS: Dict[str, Workload] = {
+    "W1": Workload("W1", "packaged MiniLM-L6 sequence classifier, LoRA r 16 on query/key/value, batch 32 as 8 x 4, "
+                   "length 128", "seq_cls", ["query", "key", "value"], 32, 4, 128, load=_load_minilm),
+    "W2": Workload("W2", "packaged SmolLM2-135M causal LM, LoRA r 16 on q/k/v/up/down_proj, batch 8 as 2 x 4, "
+                   "length 128", "causal_lm", ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"], 8, 4, 128,
+                   load=_load_smollm2),
+    # tiny random-init stand-ins (the test suite checks the runner's bookkeeping on these)
+    "tiny-bert": Workload("tiny-bert", "tiny random BERT, LoRA r 4 on query/value, batch 8 as 2 x 4, length 16",
+                          "seq_cls", ["query", "value"], 8, 4, 16, rank=4, load=_tiny_bert),
+    "tiny-llama": Workload("tiny-llama", "tiny random Llama, LoRA r 4 on q/v/up/down, batch 8 as 2 x 4, length 16",
+                           "causal_lm", ["q_proj", "v_proj", "up_proj", "down_proj"], 8, 4, 16, rank=4,
+                           load=_tiny_llama),
+}
+
+
+class Timer:
+    """Accumulated wall time of wrapped calls (the mechanism's share of a step); with ``count_syncs`` set, also the
+    host synchronisations inside them."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.count_syncs = False
+        self.syncs = 0
+
+    def wrap(self, fn):
+        from .micro import HostSyncCounter
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                if not self.count_syncs:
+                    return fn(*args, **kwargs)
+                with HostSyncCounter() as counter:
+                    out = fn(*args, **kwargs)
+                self.syncs += counter.count
+                return out
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        return timed
+
+
+@dataclass
+class Variant:
+    name: str
+    step: Callable[[], None]
+    mechanism: Timer | None = None  # time inside the DP mechanism (clip, noise, update), None if not private
+
+
+def _batches(w: Workload, vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, vocab, (w.n_micro, w.micro, w.seq_len), generator=g)
+    mask = torch.ones_like(ids)
+    if w.task_type == "seq_cls":
+        labels = torch.randint(0, 2, (w.n_micro, w.micro), generator=g)
+    else:
+        labels = ids.clone()
+    return [(ids[i], mask[i], labels[i]) for i in range(w.n_micro)]
+
+
+def _peft(base: nn.Module, w: Workload) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=w.rank, lora_alpha=w.rank, lora_dropout=0.05, target_modules=w.targets,
+                     task_type="SEQ_CLS" if w.task_type == "seq_cls" else "CAUSAL_LM")
+    model = get_peft_model(copy.deepcopy(base), cfg)
+    model.train()
+    return model
+
+
+def _per_example_losses(w: Workload, model, ids, mask, labels):
+    from prismdp.losses import causal_lm_losses, classification_losses
+
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    if w.task_type == "seq_cls":
+        return classification_losses(logits, labels)
+    return causal_lm_losses(logits, labels)
+
+
+def build_variant(name: str, w: Workload, base: nn.Module) -> Variant:
+    """A fresh PEFT copy of ``base`` set up for variant ``name``, with its step function."""
+    if name not in VARIANTS:
+        raise ValueError(f"unknown variant {name!r}; choose from {VARIANTS}")
+    torch.manual_seed(0)
+    model = _peft(base, w)
+    vocab = model.get_input_embeddings().num_embeddings
+    data = _batches(w, vocab)
+
+    if name == "lora-adamw":
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+        def step():
+            for ids, mask, labels in data:
+                (_per_example_losses(w, model, ids, mask, labels).mean() / w.n_micro).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return Variant(name, step)
+
+    if name in ("dp-adamw", "prism"):
+        from prismdp.engine import make_private
+
+        private = make_private(model, method=name, lr=1e-4, dataset_size=10 * w.batch, batch_size=w.batch,
+                               steps=10 ** 6, noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
+        private.budget = private.optimizer.budget = None  # timing only: no accounting in the loop
+        timer = Timer()
+        private.optimizer.accumulate = timer.wrap(private.optimizer.accumulate)
+        private.optimizer.step = timer.wrap(private.optimizer.step)
+
+        def step():
+            for ids, mask, labels in data:
+                private.backward(_per_example_losses(w, model, ids, mask, labels))
+            private.step()
+
+        return Variant(name, step, timer)
+
+    # Opacus' own DP-AdamW on the same PEFT model
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    loader = DataLoader(TensorDataset(torch.zeros(10 * w.batch)), batch_size=w.batch)
+    engine = PrivacyEngine(accountant="prv")
+    gsm, dp_opt, _ = engine.make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
+                                         max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode="hooks")
+    timer = Timer()
+    dp_opt.step = timer.wrap(dp_opt.step)
+
+    def step():
+        for i, (ids, mask, labels) in enumerate(data):
+            _per_example_losses(w, gsm, ids, mask, labels).mean().backward()
+            dp_opt.signal_skip_step(do_skip=i < w.n_micro - 1)  # virtual steps: clip and accumulate, update once
+            dp_opt.step()
+            dp_opt.zero_grad(set_to_none=True)
+
+    return Variant(name, step, timer)
