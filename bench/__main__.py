@@ -8,7 +8,7 @@ micro-benchmark (:mod:`bench.micro`).  Writes ``OUT/bench.json`` and ``OUT/bench
 quick.*``).
 
     python -m bench                       # W1 + W2, 3 warm-up + 10 measured rounds, memory, micro (~25 min)
-    python -m bench --quick               # 1 + 3 rounds, no memory, micro up to 2048 (< 3 min)
+    python -m bench --quick               # 1 + 2 rounds, no memory, micro up to 1024 (~3 min)
     python -m bench --workloads W1 --variants prism,dp-adamw --steps 20
 """
 
@@ -187,8 +187,12 @@ def markdown(report: dict) -> str:
 
 def _environment(threads: int) -> dict:
     try:
+        here = Path(__file__).resolve().parent
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
+                                cwd=here).stdout.strip() or "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src", "bench"],
+                               capture_output=True, text=True, cwd=here).stdout.strip()
+        commit += " + uncommitted changes" if dirty else ""
     except OSError:
         commit = "unknown"
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
@@ -211,7 +215,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10, help="measured rounds (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up rounds (default 3)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
-    p.add_argument("--quick", action="store_true", help="1 warm-up + 3 rounds, no memory runs, micro up to 2048")
+    p.add_argument("--quick", action="store_true", help="1 warm-up + 2 rounds, no memory runs, micro up to 1024")
     p.add_argument("--no-memory", action="store_true", help="skip the per-variant memory processes")
     p.add_argument("--micro-sizes", type=lambda s: [int(x) for x in _csv(s)], default=None,
                    help="m = n sizes of the micro-benchmark (default 256,...,8192; empty: skip)")
@@ -226,9 +230,9 @@ def main(argv=None) -> int:
         print(json.dumps(_memory_child(*args.memory_child, steps=max(1, min(args.steps, 2)))))
         return 0
     if args.quick:
-        args.steps, args.warmup, args.no_memory = 3, 1, True
+        args.steps, args.warmup, args.no_memory = 2, 1, True
     sizes = args.micro_sizes if args.micro_sizes is not None else (
-        [256, 512, 1024, 2048] if args.quick else [256, 512, 1024, 2048, 4096, 8192])
+        [256, 512, 1024] if args.quick else [256, 512, 1024, 2048, 4096, 8192])
     report = {"quick": args.quick, "steps": args.steps, "warmup": args.warmup,
               "environment": _environment(args.threads), "workloads": [], "memory": {}}
     for wl in args.workloads:
@@ -236,7 +240,7 @@ def main(argv=None) -> int:
         if not args.no_memory:
             report["memory"][wl] = measure_memory(wl, args.variants, args.threads, args.steps)
     if sizes:
-        report["micro"] = run_micro(sizes, steps=3 if args.quick else 5, dense_max=2048 if args.quick else 4096)
+        report["micro"] = run_micro(sizes, steps=2 if args.quick else 5, dense_max=1024 if args.quick else 4096)
     out = Path(args.output)
     stem = "bench-quick" if args.quick else "bench"
     _write(out / f"{stem}.json", json.dumps(report, indent=2) + "\n")

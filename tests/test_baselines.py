@@ -284,3 +284,21 @@ def test_lora_rite_Z_trajectory_is_invariant_to_the_factorisation(kw):
     # the test has power: AdamW from the same two factorisations leaves the same Z on different paths
     adam, adam_gauged = _z_trajectory(dp_adamw, False), _z_trajectory(dp_adamw, True)
     assert (adam[-1] - adam_gauged[-1]).norm() > 0.1 * (adam[-1] - adam[0]).norm()
+
+
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf")])
+def test_nonfinite_example_contributes_zero_and_is_counted_factor_space(bad_value):
+    """DP-AdamW's clipped sum: an example whose per-example gradient is not finite gets coefficient 0, adds exactly
+    nothing (no NaN leaks into the sum) and is counted; the other examples are summed as usual."""
+    model, pairs, sampler, opt = private_setup("dp-adamw")
+    x, y = net_batch(4, seed=3)
+    bad = per_example(model, sampler, x, y)
+    bad.lora[0][0][3, 0, 0] = bad_value
+    opt.accumulate(bad)
+    assert opt._clip.stats()["nonfinite"] == 1
+    with_bad = [s.clone() for s in opt._sums]
+    assert all(torch.isfinite(s).all() for s in with_bad)
+    opt._sums = None
+    opt.accumulate(per_example(model, sampler, x[:3], y[:3]))  # the three finite examples alone
+    for a, b in zip(with_bad, opt._sums):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

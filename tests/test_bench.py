@@ -7,7 +7,7 @@ import pytest
 
 from bench.__main__ import main, markdown, measure_memory
 from bench.micro import HostSyncCounter, run_micro
-from bench.workloads import VARIANTS
+from bench.workloads import VARIANTS, WORKLOADS
 
 
 def test_runner_interleaves_variants_and_writes_consistent_results(tmp_path):
@@ -23,8 +23,9 @@ def test_runner_interleaves_variants_and_writes_consistent_results(tmp_path):
         assert (v["mechanism_share"] is not None) == private
         if private:
             assert 0 < v["mechanism_share"] < 1
-    # no host synchronisation inside prismdp's PRISM mechanism (clip statistics stay on the device)
-    assert res["variants"]["prism"]["mechanism_host_syncs_per_step"] == 0
+    # no host synchronisation inside PRISM's module loop: one read per micro-batch, and only on the CPU, where it is
+    # free (prismdp.privacy.clipping.contributing); clip statistics stay on the device
+    assert res["variants"]["prism"]["mechanism_host_syncs_per_step"] == WORKLOADS["tiny-bert"].n_micro
     r = res["ratios"]["prism / dp-adamw"]
     times = res["variants"]
     paired = [a / b for a, b in zip(times["prism"]["times_s"], times["dp-adamw"]["times_s"])]
@@ -32,7 +33,7 @@ def test_runner_interleaves_variants_and_writes_consistent_results(tmp_path):
     assert r["ratio_of_medians"] == pytest.approx(times["prism"]["median_s"] / times["dp-adamw"]["median_s"])
     assert set(res["ratios"]) >= {"prism / dp-adamw", "dp-adamw / opacus-dp-adamw", "prism / lora-adamw"}
     rows = report["micro"]["rows"]
-    assert [row["m"] for row in rows] == [32, 64] and all(row["host_syncs_per_step"] == 0 for row in rows)
+    assert [row["m"] for row in rows] == [32, 64] and all(row["host_syncs_per_step"] == 1 for row in rows)
     assert all(row["dense_median_s"] > 0 for row in rows)
     md = (tmp_path / "bench.md").read_text()
     assert md == markdown(report) and "| prism / dp-adamw |" in md and "| 64 |" in md

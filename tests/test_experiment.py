@@ -173,8 +173,11 @@ def test_paper_config_round_trips_into_each_cells_train_config():
             assert cfg.eval_tasks == ["gsm8k", "aqua", "mawps", "svamp"] and cfg.aqua_rule == "first"
             assert cfg.data.endswith("shared/data/math/math_10k.json")
         assert cfg.output == f"runs/x/{c.id}"
-    for name in ("cpu-minilm-glue.yaml", "cpu-smollm2-math.yaml"):
-        assert len(load_experiment(CONFIGS / name).cells()) == 18 * (4 if "minilm" in name else 1)
+    assert len(load_experiment(CONFIGS / "cpu-smollm2-math.yaml").cells()) == 18
+    glue = load_experiment(CONFIGS / "cpu-minilm-glue.yaml").cells()  # 6 x {6, 3} x 3 seeds + 2 non-DP x 3 seeds
+    assert len(glue) == 4 * (6 * 2 * 3 + 2 * 3)
+    assert {c.method for c in glue if not c.setting.dp} == {"prism", "dp-adamw"}
+    assert len(load_experiment(CONFIGS / "cpu-minilm-glue-lr.yaml").cells()) == 12
 
 
 def _tiny_gemma3(tok_vocab, multimodal):

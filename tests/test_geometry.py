@@ -27,6 +27,7 @@ from prismdp.geometry import (
     noise_with_frame,
     procrustes_align,
     projected_grad_norm_sq,
+    projected_grad_norm_sq_balanced,
     retract,
     sample_tangent_noise,
     tangent_norm_sq,
@@ -337,6 +338,23 @@ def test_projected_grad_norm_sq_matches_dense(m, n, r):
     torch.testing.assert_close(tangent_norm_sq(A, B, dA, dB), ref, rtol=1e-11, atol=0)
 
 
+@pytest.mark.parametrize(("m", "n", "r"), SIZES, ids=SIZE_IDS)
+def test_projected_grad_norm_sq_balanced_matches_dense_with_group_broadcast(m, n, r):
+    """The Gram form at balanced factors, as PRISM calls it: a frame of k stacked modules (k, 1, ., r) against
+    per-example gradients (k, b, ., r)."""
+    g = gen(90 + m + 13 * n + 100 * r)
+    A, B = balance(*rand_factors(g, m, n, r, (3,)))
+    G = randn(g, 3, 5, m, n)
+    G[:, 1] *= 1e-3
+    fr = frame(A, B)
+    out = projected_grad_norm_sq_balanced(Frame(*(t.unsqueeze(1) for t in fr)), G @ B.unsqueeze(1),
+                                          G.mT @ A.unsqueeze(1))
+    assert out.shape == (3, 5)
+    for k in range(3):
+        ref = fro_sq(dense_project(pinv_projector(A[k]), pinv_projector(B[k]), G[k]))
+        torch.testing.assert_close(out[k], ref, rtol=1e-11, atol=0)
+
+
 def test_projected_grad_norm_sq_batched_factors():
     g = gen(81)
     A, B = rand_factors(g, 7, 9, 2, (3,))
@@ -345,6 +363,23 @@ def test_projected_grad_norm_sq_batched_factors():
     for i in range(3):
         ref = fro_sq(dense_project(pinv_projector(A[i]), pinv_projector(B[i]), G[i]))
         torch.testing.assert_close(out[i], ref, rtol=1e-11, atol=0)
+
+
+def test_projected_grad_norm_sq_float32_ill_conditioned_balanced_point():
+    """What PRISM computes in training: float32, balanced factors, singular values spread over 1e3, gradients
+    mostly inside the tangent space's A-part (the cancelling case) -- against the dense float64 projection."""
+    g = gen(83)
+    m, n, r = 40, 30, 4
+    U, _ = torch.linalg.qr(randn(g, m, r))
+    V, _ = torch.linalg.qr(randn(g, n, r))
+    s = torch.tensor([1e3, 30.0, 1.0, 1.0], dtype=F64)
+    A, B = U * s.sqrt(), V * s.sqrt()
+    G = U @ randn(g, 5, r, n) + 1e-3 * randn(g, 5, m, n)  # Pi_A G dominates
+    ref = fro_sq(dense_project(pinv_projector(A), pinv_projector(B), G))
+    f32 = torch.float32
+    for norm_sq in (projected_grad_norm_sq, projected_grad_norm_sq_balanced):
+        out = norm_sq(frame(A.to(f32), B.to(f32)), (G @ B).to(f32), (G.mT @ A).to(f32))
+        torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=0)
 
 
 def test_projected_grad_norm_sq_zero_gradient_is_zero():
@@ -757,6 +792,10 @@ def test_ill_conditioned_lift_and_norms(m, n, r, kind):
     # intrinsic norms: accurate to ~cond * eps, not cond^2 * eps (clipping relies on them)
     torch.testing.assert_close(projected_grad_norm_sq(frame(A, B), gA, gB), ref_sq, rtol=1e-8, atol=0)
     torch.testing.assert_close(tangent_norm_sq(A, B, dA, dB), ref_sq, rtol=1e-8, atol=0)
+    # the Gram form at the balanced factors of the same Z (cond(Z) ~ 1e10 here): as accurate
+    Ab, Bb = balance(A, B)
+    out = projected_grad_norm_sq_balanced(frame(Ab, Bb), G @ Bb, G.mT @ Ab)
+    torch.testing.assert_close(out, ref_sq, rtol=1e-8, atol=0)
     # arbitrary lift: tangent_norm_sq against the dense norm of the same lift
     xA, xB = randn(g, m, r), randn(g, n, r)
     torch.testing.assert_close(tangent_norm_sq(A, B, xA, xB), fro_sq(dense_tangent(A, B, xA, xB)), rtol=1e-8, atol=0)

@@ -294,3 +294,32 @@ def test_exhausted_budget_is_refused_before_noise():
     with pytest.raises(BudgetExhaustedError, match="privacy budget exhausted"):
         opt.step()
     assert torch.equal(opt.generator.get_state(), gen_state)
+
+
+@pytest.mark.parametrize("dp", [True, False])
+def test_batching_modules_by_shape_does_not_change_the_math(monkeypatch, dp):
+    """tiny_net has two LoRA modules of one shape: stacked as one group they follow exactly the trajectory they
+    follow one by one (private with clipping active and no noise, and non-private)."""
+    import prismdp.optim.prism as prism_module
+
+    x, y = net_batch(6, seed=4, dtype=torch.float64)
+    finals = []
+    for grouped in (True, False):
+        if not grouped:
+            monkeypatch.setattr(prism_module, "shape_groups", lambda pairs: [[k] for k in range(len(pairs))])
+        model = tiny_net(dtype=torch.float64, seed=2)
+        pairs = find_lora_pairs(model)
+        move_to_rank_r_start(pairs)
+        sampler = GradSampler(model, pairs)
+        opt = PRISM(pairs, lr=0.05, dense_params=sampler.dense_params, dp=DPConfig(0.0, 0.05, 6.0) if dp else None)
+        assert [len(g) for g in opt.groups] == ([1, 2] if grouped else [1, 1, 1])
+        for _ in range(6):
+            if dp:
+                opt.accumulate(per_example(model, sampler, x, y))
+            else:
+                classification_losses(model(x), y).mean().backward()
+            opt.step()
+            model.zero_grad(set_to_none=True)
+        finals.append([p.detach().clone() for p in model.parameters() if p.requires_grad])
+    for a, b in zip(*finals):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ..grad_sample import PerExampleGrads
 from ..lora import LoraPair
-from ..privacy.clipping import ClippedSum, DPConfig, clipped_sum, gaussian_like, noise_generator
+from ..privacy.clipping import ClippedSum, DPConfig, clipped_sum, contributing, gaussian_like, noise_generator
 
 __all__ = ["DPFactorOptimizer", "dp_adamw"]
 
@@ -72,10 +72,11 @@ class DPFactorOptimizer:
         tensors = [(t.float(), transposed) for t, transposed in tensors]
         sq = sum(t.flatten(1).square().sum(1) for t, _ in tensors)
         coef = self._clip.coefficients(sq)
+        keep = contributing(coef)
         if self._sums is None:
             self._sums = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self._params()]
         for s, (t, transposed) in zip(self._sums, tensors):
-            summed = clipped_sum(coef, t)
+            summed = clipped_sum(coef, t, keep)
             s.add_(summed.T if transposed else summed)
 
     @torch.no_grad()

@@ -23,20 +23,10 @@ from torch import Tensor, nn
 
 from .. import geometry
 from ..grad_sample import PerExampleGrads
-from ..lora import LoraPair, LoraSetupError, get_factors, set_factors
-from ..privacy.clipping import ClippedSum, DPConfig, clipped_sum, gaussian_like, noise_generator
+from ..lora import LoraPair, LoraSetupError, get_factors, set_factors, shape_groups
+from ..privacy.clipping import ClippedSum, DPConfig, clipped_sum, contributing, gaussian_like, noise_generator
 
-__all__ = ["PRISM", "precondition", "shape_groups"]
-
-
-def shape_groups(pairs: list[LoraPair]) -> list[list[int]]:
-    """Indices of the pairs grouped by (m, n, r, scaling, dtype, device), in order of first appearance: the
-    optimizer processes each group as one stacked batch."""
-    groups: dict[tuple, list[int]] = {}
-    for k, pair in enumerate(pairs):
-        w = pair.lora_A.weight
-        groups.setdefault((pair.shape, pair.scaling, w.dtype, w.device), []).append(k)
-    return list(groups.values())
+__all__ = ["PRISM", "precondition"]
 
 
 def precondition(
@@ -111,6 +101,8 @@ class PRISM(torch.optim.Optimizer):
         self._clip = ClippedSum(dp.max_grad_norm) if dp is not None else None
         self._last_clip = None
         self.groups = shape_groups(self.pairs)
+        # working dtype: float32 for float32/bf16/fp16 weights, float64 for float64 ones
+        self.dtype = torch.promote_types(self.pairs[0].lora_A.weight.dtype, torch.float32)
         self._frames: list[geometry.Frame] | None = None  # per group, stacked
         self._factors: list[tuple[Tensor, Tensor]] | None = None  # per group, stacked
         self._acc: list[list[Tensor]] | None = None  # [group sums (gA, gB)..., dense sums...]
@@ -134,15 +126,15 @@ class PRISM(torch.optim.Optimizer):
             set_factors(pair, A, B)
 
     def _stacked_factors(self, g: list[int]) -> tuple[Tensor, Tensor]:
-        """``(A, B)`` of the group's pairs stacked: (k, m, r), (k, n, r), float32."""
+        """``(A, B)`` of the group's pairs stacked: (k, m, r), (k, n, r), in the working dtype."""
         root = math.sqrt(self.pairs[g[0]].scaling)
-        A = torch.stack([self.pairs[k].lora_B.weight for k in g]).float() * root
-        B = torch.stack([self.pairs[k].lora_A.weight for k in g]).float().mT * root
+        A = torch.stack([self.pairs[k].lora_B.weight for k in g]).to(self.dtype) * root
+        B = torch.stack([self.pairs[k].lora_A.weight for k in g]).to(self.dtype).mT * root
         return A, B
 
     def _set_stacked_factors(self, g: list[int], A: Tensor, B: Tensor) -> None:
         inv_root = 1.0 / math.sqrt(self.pairs[g[0]].scaling)
-        WB, WA = A * inv_root, B.mT * inv_root
+        WB, WA = A * inv_root, (B.mT * inv_root).contiguous()  # one batched transpose, then contiguous copies
         for j, k in enumerate(g):
             wa, wb = self.pairs[k].params
             wb.copy_(WB[j])
@@ -158,18 +150,23 @@ class PRISM(torch.optim.Optimizer):
 
     def _zero_sums(self) -> list[list[Tensor]]:
         sums = [[torch.zeros_like(A), torch.zeros_like(B)] for A, B in self._factors]
-        return sums + [[torch.zeros(p.shape, dtype=torch.float32, device=p.device)] for p in self.dense_params]
+        return sums + [[torch.zeros(p.shape, dtype=self.dtype, device=p.device)] for p in self.dense_params]
 
-    def _stack_grads(self, g: list[int], per_pair, dim: int) -> tuple[Tensor, Tensor]:
-        """Parameter-space gradients of the group's pairs -> stacked ``(gA, gB) = (G B, G^T A)`` of the intrinsic
-        loss (stacked along ``dim``)."""
-        inv_root = 1.0 / math.sqrt(self.pairs[g[0]].scaling)
-        out = []
-        for part in (0, 1):
-            t = torch.stack([per_pair[k][part] for k in g], dim=dim)
-            t = t.float() if t.dtype != torch.float32 else t
-            out.append(t.mul_(inv_root) if inv_root != 1.0 else t)
-        return out[0], out[1]
+    def _stack_grads(self, g: list[int], per_pair) -> tuple[Tensor, Tensor]:
+        """Parameter-space gradients of the group's pairs stacked along a new leading dim, unscaled (see
+        :meth:`_inv_root`): ``(G B, G^T A) * sqrt(s)``."""
+        return tuple(torch.stack([per_pair[k][part] for k in g]).to(self.dtype) for part in (0, 1))
+
+    def _inv_root(self, g: list[int]) -> float:
+        """Parameter-space factor gradients times this are the intrinsic ``(gA, gB) = (G B, G^T A)``."""
+        return 1.0 / math.sqrt(self.pairs[g[0]].scaling)
+
+    def _group_grads(self, grads: PerExampleGrads) -> list[tuple[Tensor, Tensor]]:
+        """Per group (k, b, m, r) / (k, b, n, r) per-example factor gradients (unscaled): the sampler's own
+        stacks when it grouped the pairs as this optimizer does, else stacked here."""
+        if grads.grouped is not None and grads.groups == self.groups:
+            return [(gb.to(self.dtype), ga.to(self.dtype)) for gb, ga in grads.grouped]
+        return [self._stack_grads(g, grads.lora) for g in self.groups]
 
     # ------------------------------------------------------------------ private accumulation
 
@@ -177,8 +174,9 @@ class PRISM(torch.optim.Optimizer):
     def accumulate(self, grads: PerExampleGrads) -> None:
         """Clip one micro-batch of per-example gradients (one global intrinsic norm) and add them to the sums.
 
-        Modules of equal shape are processed as one batch: (b, k, m, r) per-example factor gradients, one
-        triangular solve and one reduction per group, no host synchronisation.
+        Modules of equal shape are processed as one batch: (k, b, m, r) per-example factor gradients (written there
+        by the gradient sampler), r x r Gram matrices for the norms and one reduction per group; the only read from
+        the device is :func:`~prismdp.privacy.clipping.contributing`'s, once per micro-batch and on the CPU only.
         """
         if self.dp is None:
             raise RuntimeError("accumulate() is for the private optimizer; the non-private one reads p.grad in step()")
@@ -187,17 +185,22 @@ class PRISM(torch.optim.Optimizer):
         frames = self._ensure_frames()
         if self._acc is None:
             self._acc = self._zero_sums()
-        group_grads = [self._stack_grads(g, grads.lora, dim=1) for g in self.groups]  # (b, k, m, r), (b, k, n, r)
-        sq = torch.zeros(grads.batch_size, dtype=torch.float32, device=frames[0].QA.device)
-        for fr, (gA, gB) in zip(frames, group_grads):
-            sq = sq + geometry.projected_grad_norm_sq(fr, gA, gB).sum(-1)
-        dense = [g.float() for g in grads.dense]
+        group_grads = self._group_grads(grads)  # (k, b, m, r), (k, b, n, r), still to be scaled by inv_root
+        sq = torch.zeros(grads.batch_size, dtype=self.dtype, device=frames[0].QA.device)
+        for g, fr, (gA, gB) in zip(self.groups, frames, group_grads):
+            per_batch = geometry.Frame(*(t.unsqueeze(1) for t in fr))  # (k, 1, ., r) broadcasts over examples
+            sq = sq + self._inv_root(g) ** 2 * geometry.projected_grad_norm_sq_balanced(per_batch, gA, gB).sum(0)
+        dense = [g.to(self.dtype) for g in grads.dense]
         for g in dense:
             sq = sq + g.flatten(1).square().sum(1)
         coef = self._clip.coefficients(sq)
-        for acc, tensors in zip(self._acc, [*group_grads, *[(g,) for g in dense]]):
-            for a, t in zip(acc, tensors):
-                a.add_(clipped_sum(coef, t))
+        keep = contributing(coef)
+        for g, acc, (gA, gB) in zip(self.groups, self._acc, group_grads):
+            inv_root = self._inv_root(g)
+            acc[0].add_(clipped_sum(coef, gA, keep, dim=1), alpha=inv_root)
+            acc[1].add_(clipped_sum(coef, gB, keep, dim=1), alpha=inv_root)
+        for (acc,), g in zip(self._acc[len(self.groups):], dense):
+            acc.add_(clipped_sum(coef, g, keep))
 
     # ------------------------------------------------------------------ the step
 
@@ -284,10 +287,11 @@ class PRISM(torch.optim.Optimizer):
             filled = {k: grads[k] if grads[k] is not None else (torch.zeros_like(self.pairs[k].lora_B.weight),
                                                                   torch.zeros_like(self.pairs[k].lora_A.weight).T)
                       for k in g}
-            gA, gB = self._stack_grads(g, filled, dim=0)
-            dA, dB = geometry.lift_with_frame(fr, gA, gB)
+            gA, gB = self._stack_grads(g, filled)
+            inv_root = self._inv_root(g)
+            dA, dB = geometry.lift_with_frame(fr, gA * inv_root, gB * inv_root)
             self._update_group(gi, dA, dB, 0.0)
-        self._dense_step([p.grad.float() if p.grad is not None else None for p in self.dense_params])
+        self._dense_step([p.grad.to(self.dtype) if p.grad is not None else None for p in self.dense_params])
 
     def _update_group(self, gi: int, dA: Tensor, dB: Tensor, tau: float) -> None:
         """Adaptive direction from the (noisy) tangent update, then retraction and Procrustes alignment, for the
@@ -348,7 +352,7 @@ class PRISM(torch.optim.Optimizer):
             st = self.state[p]
             if not st:
                 st["step"] = 0
-                st["m"], st["v"] = torch.zeros_like(p, dtype=torch.float32), torch.zeros_like(p, dtype=torch.float32)
+                st["m"], st["v"] = torch.zeros_like(p, dtype=self.dtype), torch.zeros_like(p, dtype=self.dtype)
             st["step"] += 1
             t = st["step"]
             st["m"].mul_(beta1).add_(g, alpha=1 - beta1)

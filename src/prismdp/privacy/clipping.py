@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["DPConfig", "ClippedSum", "ClipStats", "clipped_sum", "gaussian_like", "noise_generator"]
+__all__ = ["DPConfig", "ClippedSum", "ClipStats", "clipped_sum", "contributing", "gaussian_like", "noise_generator"]
 
 
 @dataclass(frozen=True)
@@ -113,13 +113,39 @@ class ClippedSum:
         return out
 
 
-def clipped_sum(coef: Tensor, per_example: Tensor) -> Tensor:
-    """``sum_i coef_i * per_example_i`` over the leading (example) dimension.
+def contributing(coef: Tensor) -> Tensor | None:
+    """The (b,) mask of examples that contribute (coefficient > 0), for :func:`clipped_sum`.
 
-    Examples with coefficient 0 (non-finite gradients) contribute exactly zero, even where their entries are NaN.
+    ``None`` when every example contributes and that is free to know: on the CPU, where reading one value costs
+    nothing, this saves :func:`clipped_sum` a masking pass over the per-example gradients.  On accelerators the
+    mask is always returned, so the step never waits for the device.
     """
-    keep = (coef > 0).view(-1, *[1] * (per_example.dim() - 1))
-    return torch.tensordot(coef, torch.where(keep, per_example, 0.0), dims=1)
+    keep = coef > 0
+    if coef.device.type == "cpu" and bool(keep.all()):
+        return None
+    return keep
+
+
+_AUTO = object()
+
+
+def clipped_sum(coef: Tensor, per_example: Tensor, keep=_AUTO, dim: int = 0) -> Tensor:
+    """``sum_i coef_i * per_example_i`` over the example dimension ``dim`` (0 or 1; 1 for (k, b, ...) stacks).
+
+    Examples with coefficient 0 (non-finite gradients) contribute exactly zero, even where their entries are NaN:
+    ``keep`` is the mask from :func:`contributing` (computed here if not given; ``None`` = every example counts).
+    """
+    if dim not in (0, 1):
+        raise ValueError(f"dim must be 0 or 1, got {dim}")
+    if keep is _AUTO:
+        keep = coef > 0
+    if keep is not None:
+        shape = [1] * per_example.dim()
+        shape[dim] = -1
+        per_example = torch.where(keep.view(shape), per_example, 0.0)
+    if dim == 0:
+        return torch.tensordot(coef, per_example, dims=1)
+    return torch.einsum("b,kb...->k...", coef, per_example)
 
 
 def gaussian_like(t: Tensor, std: float, generator: torch.Generator | None) -> Tensor:
