@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .adam import adam_direction, check_lr_betas, working_dtype
+
 __all__ = ["Lamb"]
 
 
@@ -17,10 +19,7 @@ class Lamb(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 5e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.0):
-        if not lr > 0:
-            raise ValueError(f"lr must be > 0, got {lr}")
-        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"betas must lie in [0, 1), got {betas}")
+        check_lr_betas(lr, betas)
         if not (eps >= 0 and weight_decay >= 0):
             raise ValueError(f"eps and weight_decay must be >= 0, got {eps}, {weight_decay}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -38,24 +37,11 @@ class Lamb(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            b1, b2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                st = self.state[p]
-                if not st:
-                    dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-                    st["step"] = 0
-                    st["exp_avg"] = torch.zeros_like(p, dtype=dtype)
-                    st["exp_avg_sq"] = torch.zeros_like(st["exp_avg"])
-                st["step"] += 1
-                t = st["step"]
-                g = p.grad.to(st["exp_avg"].dtype)
-                st["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
-                st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
-                m_hat = st["exp_avg"] / (1 - b1**t)
-                v_hat = st["exp_avg_sq"] / (1 - b2**t)
-                w = p.to(g.dtype)
-                u = m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * w
+                w = p.to(working_dtype(p.dtype))
+                u = adam_direction(self.state[p], p.grad.to(w.dtype), group["betas"], group["eps"])
+                u = u + group["weight_decay"] * w
                 p.sub_((group["lr"] * self.trust_ratio(w, u) * u).to(p.dtype))
         return loss

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from .. import geometry
 from ..grad_sample import PerExampleGrads
 from ..lora import LoraPair, LoraSetupError, get_factors, set_factors, shape_groups
+from .adam import adam_direction, check_lr_betas, working_dtype
 from ..privacy.clipping import ClippedSum, DPConfig, clipped_sum, contributing, gaussian_like, noise_generator
 
 __all__ = ["PRISM", "precondition"]
@@ -80,10 +81,7 @@ class PRISM(torch.optim.Optimizer):
         cond_max: float | None = 1e4,
         debias_second_moment: bool = True,
     ):
-        if not lr > 0:
-            raise ValueError(f"lr must be > 0, got {lr}")
-        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"betas must lie in [0, 1), got {betas}")
+        check_lr_betas(lr, betas)
         dense_params = list(dense_params)
         groups = [{"params": [p for pair in pairs for p in pair.params], "kind": "lora"}]
         if dense_params:
@@ -102,7 +100,7 @@ class PRISM(torch.optim.Optimizer):
         self._last_clip = None
         self.groups = shape_groups(self.pairs)
         # working dtype: float32 for float32/bf16/fp16 weights, float64 for float64 ones
-        self.dtype = torch.promote_types(self.pairs[0].lora_A.weight.dtype, torch.float32)
+        self.dtype = working_dtype(self.pairs[0].lora_A.weight.dtype)
         self._frames: list[geometry.Frame] | None = None  # per group, stacked
         self._factors: list[tuple[Tensor, Tensor]] | None = None  # per group, stacked
         self._acc: list[list[Tensor]] | None = None  # [group sums (gA, gB)..., dense sums...]
@@ -345,17 +343,6 @@ class PRISM(torch.optim.Optimizer):
         if not self.dense_params:
             return
         group = self.param_groups[1]
-        beta1, beta2 = group["betas"]
         for p, g in zip(self.dense_params, grads):
-            if g is None:
-                continue
-            st = self.state[p]
-            if not st:
-                st["step"] = 0
-                st["m"], st["v"] = torch.zeros_like(p, dtype=self.dtype), torch.zeros_like(p, dtype=self.dtype)
-            st["step"] += 1
-            t = st["step"]
-            st["m"].mul_(beta1).add_(g, alpha=1 - beta1)
-            st["v"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = (st["v"] / (1 - beta2**t)).sqrt_().add_(group["eps"])
-            p.add_((st["m"] / (1 - beta1**t) / denom).to(p.dtype), alpha=-group["lr"])
+            if g is not None:
+                p.add_(adam_direction(self.state[p], g, group["betas"], group["eps"]).to(p.dtype), alpha=-group["lr"])

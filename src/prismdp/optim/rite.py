@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from ..lora import LoraPair
+from .adam import adam_direction, check_lr_betas, working_dtype
 
 __all__ = ["LoraRITE"]
 
@@ -61,10 +62,7 @@ class LoraRITE(torch.optim.Optimizer):
         escape: bool = True,
         weight_decay: float = 0.0,
     ):
-        if not lr > 0:
-            raise ValueError(f"lr must be > 0, got {lr}")
-        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"betas must lie in [0, 1), got {betas}")
+        check_lr_betas(lr, betas)
         if any(not pair.trains_A for pair in pairs):
             raise ValueError("LoRA-RITE trains both factors of every pair; got pairs with a frozen lora_A")
         dense_params = list(dense_params)
@@ -78,10 +76,6 @@ class LoraRITE(torch.optim.Optimizer):
         self.escape = escape
 
     # ------------------------------------------------------------------ helpers
-
-    @staticmethod
-    def _dtype(p: Tensor) -> torch.dtype:
-        return torch.float64 if p.dtype == torch.float64 else torch.float32
 
     @staticmethod
     def _grad(p: Tensor, dtype: torch.dtype) -> Tensor:
@@ -128,7 +122,7 @@ class LoraRITE(torch.optim.Optimizer):
         work = []  # per pair: factors, bases, inverse triangles, unmagnified grads
         for pair in self.pairs:
             WB, WA = pair.lora_B.weight, pair.lora_A.weight
-            dt = self._dtype(WB)
+            dt = working_dtype(WB.dtype)
             QB, RB = torch.linalg.qr(WB.to(dt))
             QA, RA = torch.linalg.qr(WA.T.to(dt))
             RBi, RAi = torch.linalg.pinv(RB), torch.linalg.pinv(RA)
@@ -156,20 +150,9 @@ class LoraRITE(torch.optim.Optimizer):
         return loss
 
     def _dense_adamw(self, group) -> None:
-        b1, b2 = group["betas"]
         for p in group["params"]:
             if p.grad is None:
                 continue
-            st = self.state[p]
-            if not st:
-                st["step"] = 0
-                st["exp_avg"] = torch.zeros_like(p, dtype=self._dtype(p))
-                st["exp_avg_sq"] = torch.zeros_like(st["exp_avg"])
-            st["step"] += 1
-            t = st["step"]
-            g = p.grad.to(st["exp_avg"].dtype)
-            st["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
-            st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (st["exp_avg_sq"] / (1 - b2**t)).sqrt() + group["eps"]
-            upd = st["exp_avg"] / (1 - b1**t) / denom + group["weight_decay"] * p.to(denom.dtype)
-            p.sub_((group["lr"] * upd).to(p.dtype))
+            w = p.to(working_dtype(p.dtype))
+            upd = adam_direction(self.state[p], p.grad.to(w.dtype), group["betas"], group["eps"])
+            p.sub_((group["lr"] * (upd + group["weight_decay"] * w)).to(p.dtype))
