@@ -36,6 +36,9 @@ def _add_train(sub) -> None:
     p.add_argument("--lr", type=float)
     p.add_argument("--head-lr", dest="head_lr", type=float,
                    help="learning rate of the trainable non-LoRA parameters (an encoder's new head; default --lr)")
+    p.add_argument("--pooling", choices=["model", "mean"],
+                   help="encoder tasks: the checkpoint's own head (model, default) or a new head on the masked mean "
+                        "of the last hidden states (mean: what sentence encoders such as all-MiniLM-L6-v2 were trained for)")
     p.add_argument("--rank", type=int)
     p.add_argument("--alpha", type=float)
     p.add_argument("--dropout", type=float)

@@ -9,6 +9,7 @@ base weights the adapter must hold ``Z - Z0 = [A, -A0] [B, B0]^T`` (rank <= 2r):
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 import shutil
@@ -23,8 +24,12 @@ __all__ = ["export_adapter"]
 
 
 def export_adapter(model: nn.Module, pairs: list[LoraPair], start: RankRStart | None, out_dir: str | os.PathLike,
-                   adapter: str = "default") -> Path:
-    """Atomically write ``adapter_config.json`` + ``adapter_model.safetensors`` to ``out_dir``."""
+                   adapter: str = "default", head: dict | None = None) -> Path:
+    """Atomically write ``adapter_config.json`` + ``adapter_model.safetensors`` to ``out_dir``.
+
+    ``head`` (e.g. ``{"pooling": "mean", "num_labels": 2}``) goes to ``prismdp_head.json``: the adapter then applies
+    to ``prismdp.models.load_model(base, "seq_cls", num_labels, pooling=...)``, not to the stock HF head.
+    """
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 
@@ -47,6 +52,8 @@ def export_adapter(model: nn.Module, pairs: list[LoraPair], start: RankRStart | 
     tmp.mkdir(parents=True)
     config.save_pretrained(str(tmp))
     save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+    if head is not None:
+        (tmp / "prismdp_head.json").write_text(json.dumps(head, indent=2) + "\n")
     old = out.parent / f".{out.name}.old"
     if out.exists():
         shutil.rmtree(old, ignore_errors=True)

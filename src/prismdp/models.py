@@ -176,15 +176,24 @@ def _ensure_pad(model, tokenizer, task_type: str, what: str) -> None:
 
 
 def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_labels: Optional[int] = None,
-               dtype: torch.dtype = torch.float32):
+               dtype: torch.dtype = torch.float32, pooling: str = "model"):
     """Load ``(model, tokenizer)`` for ``task_type`` ``"seq_cls"`` or ``"causal_lm"``; the model is in eval mode.
 
     ``seq_cls`` uses ``AutoModelForSequenceClassification``: ``num_labels`` sets a new head (``1`` = regression,
     ``problem_type="regression"``; ``>= 2`` = single-label classification; ``None`` keeps the checkpoint's config).
-    ``causal_lm`` uses ``AutoModelForCausalLM`` (``num_labels`` must be None).
+    ``causal_lm`` uses ``AutoModelForCausalLM`` (``num_labels`` must be None).  ``pooling="mean"`` (``seq_cls``
+    with ``num_labels`` only) loads the bare encoder (``AutoModel``) under a new masked-mean-pooling head
+    (:class:`prismdp.heads.MeanPoolingClassifier`) instead of the checkpoint's own head.
     """
+    from .heads import POOLINGS, MeanPoolingClassifier
+
     if task_type not in TASK_TYPES:
         raise ValueError(f"task_type must be one of {TASK_TYPES}, got {task_type!r}")
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    if pooling == "mean" and (task_type != "seq_cls" or num_labels is None):
+        raise ValueError("pooling='mean' builds a new classification head: it needs task_type='seq_cls' and "
+                         "num_labels; causal LMs keep their language-model head (use pooling='model')")
     kwargs = {"dtype": dtype}
     if task_type == "causal_lm":
         if num_labels is not None:
@@ -200,9 +209,13 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
 
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     auto = AutoModelForSequenceClassification if task_type == "seq_cls" else AutoModelForCausalLM
+    if pooling == "mean":
+        auto = AutoModel
+        labels = {k: kwargs.pop(k) for k in ("num_labels", "problem_type")}
+        kwargs.pop("ignore_mismatched_sizes")
     tok_kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
@@ -217,6 +230,10 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
     except ValueError as e:
         raise ModelLoadError(f"could not load {what} as a {task_type} model ({e}); is it the right kind of model "
                              f"for this task type?") from e
+    if pooling == "mean":
+        for k, v in labels.items():
+            setattr(model.config, k, v)
+        model = MeanPoolingClassifier(model, labels["num_labels"])
 
     _ensure_pad(model, tokenizer, task_type, what)
     model.eval()

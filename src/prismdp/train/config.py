@@ -43,6 +43,7 @@ class TrainConfig:
     micro_batch_size: int = 8
     lr: float | None = None  # None = the method's default for the task family
     head_lr: float | None = None  # lr of the trainable non-LoRA parameters (an encoder's new head); None = lr
+    pooling: str = "model"  # encoder tasks: "model" = the checkpoint's own head, "mean" = masked-mean-pooling head
     rank: int | None = None
     alpha: float | None = None
     dropout: float = 0.05
@@ -96,6 +97,12 @@ class TrainConfig:
             bad("dropout", f"must lie in [0, 1), got {self.dropout!r}")
         if self.accountant not in ("prv", "rdp"):
             bad("accountant", f"must be 'prv' or 'rdp', got {self.accountant!r}")
+        if self.pooling not in ("model", "mean"):
+            bad("pooling", f"must be 'model' (the checkpoint's own classification head) or 'mean' (a new head on "
+                           f"the masked mean of the last hidden states), got {self.pooling!r}")
+        if self.pooling == "mean" and self.task in CAUSAL_TASKS:
+            bad("pooling", f"'mean' builds a classification head; task {self.task!r} trains a causal LM "
+                           f"(use pooling: model)")
         if self.init not in ("spectral", "random"):
             bad("init", f"must be 'spectral' or 'random', got {self.init!r}")
         for key in ("train_examples", "eval_examples", "max_new_tokens"):

@@ -143,7 +143,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
 
     torch.manual_seed(cfg.seed)
     task_type, num_labels = task_head(cfg)
-    model, tokenizer = load_model(cfg.model, task_type, num_labels)
+    model, tokenizer = load_model(cfg.model, task_type, num_labels, pooling=cfg.pooling)
     data = build_task_data(cfg, tokenizer)
     for key, count in data.notes.items():
         if "truncated" in key or "masked" in key:
@@ -243,6 +243,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
         summary["eval_time_s"] = time.perf_counter() - t_eval
     if data.gen_eval_missing:
         summary["eval_missing"] = data.gen_eval_missing
-    export_adapter(model, private.pairs, private.start, out / "adapter")
+    head = {"pooling": cfg.pooling, "num_labels": num_labels} if cfg.pooling != "model" else None
+    export_adapter(model, private.pairs, private.start, out / "adapter", head=head)
     _write_json(out / "summary.json", summary)
     return TrainResult(summary, model, tokenizer)
