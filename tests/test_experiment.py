@@ -257,3 +257,21 @@ def test_numbers_without_a_dot_are_numbers_not_strings():
     assert TrainConfig.from_dict({"lr": "5e-3", "head_lr": "2e-2"}).lr == 0.005
     with pytest.raises(ConfigError, match="lr must be a number"):
         TrainConfig.from_dict({"lr": "fast"})
+
+
+def test_task_ids_of_the_same_task_get_their_own_columns(tmp_path):
+    # a learning-rate budget: one task under two task ids must not overwrite one column with the other
+    exp = load_experiment({"name": "LR", "output": str(tmp_path),
+                           "tasks": {"sst2-lr1x": {"task": "sst2", "lr": 1e-3}, "sst2-lr5x": {"task": "sst2", "lr": 5e-3},
+                                     "cola": {}},
+                           "methods": ["dp-adamw", "prism"], "privacy": [3], "seeds": [0]})
+    cells = exp.cells()
+    vals = {"sst2-lr1x": 0.61, "sst2-lr5x": 0.65, "cola": 0.2}
+    for c in cells:
+        _fake_cell(c, {c.config.task: vals[c.task_id] + (0.1 if c.method == "prism" else 0.0)}, None)
+    write_results(exp, cells, tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| Setting"))
+    assert header == "| Setting | Method | CoLA | sst2-lr1x | sst2-lr5x | Avg |"
+    prism = next(line for line in md.splitlines() if "PRISM" in line)
+    assert "**0.710**" in prism and "**0.750**" in prism and "**0.300**" in prism

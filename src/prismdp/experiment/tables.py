@@ -165,20 +165,37 @@ def _column_order(exp: Experiment, present: Sequence[str]) -> List[str]:
     return known + [c for c in present if c not in known]
 
 
+def _column_scores(cells: Sequence[Cell]):
+    """``result -> {column: score}``.  Task ids that train the same task (e.g. one task at two learning rates) would
+    write the same columns: their columns are named by the task id instead (``sst2-lr1x``, ``id:column``)."""
+    ids: Dict[str, set] = {}
+    for c in cells:
+        ids.setdefault(c.config.task, set()).add(c.task_id)
+
+    def scores(r: CellResult) -> Dict[str, float]:
+        c = r.cell
+        if len(ids.get(c.config.task, ())) <= 1:
+            return r.scores
+        return {(c.task_id if col == c.config.task else f"{c.task_id}:{col}"): v for col, v in r.scores.items()}
+
+    return scores
+
+
 def build_table(exp: Experiment, cells: Sequence[Cell], results: Sequence[CellResult],
                 failures: Optional[Dict[str, str]] = None) -> Table:
     by_cell = {r.cell.id: r for r in results}
+    col_scores = _column_scores(cells)
     present: List[str] = []
     missing: Dict[str, str] = {}
     for r in results:
-        present.extend(c for c in r.scores if c not in present)
+        present.extend(c for c in col_scores(r) if c not in present)
         for set_name, reason in r.missing.items():
             col = "mnli" if set_name.startswith("mnli_") else set_name
             missing.setdefault(set_name, reason)
             if col not in present:
                 present.append(col)
     columns = _column_order(exp, present)
-    with_values = {c for r in results for c in r.scores}  # columns some run has (QQP may have none)
+    with_values = {c for r in results for c in col_scores(r)}  # columns some run has (QQP may have none)
     blocks = []
     seeds_seen = set()
     for setting in exp.settings:
@@ -188,7 +205,7 @@ def build_table(exp: Experiment, cells: Sequence[Cell], results: Sequence[CellRe
             for c in cells:
                 if c.method != method or c.setting != setting or c.id not in by_cell:
                     continue
-                per_seed.setdefault(c.seed, {}).update(by_cell[c.id].scores)
+                per_seed.setdefault(c.seed, {}).update(col_scores(by_cell[c.id]))
             if not per_seed:
                 continue
             seeds_seen.update(per_seed)
