@@ -27,6 +27,8 @@ from typing import Dict, List
 
 import torch
 
+from prismdp.train.profile import PeakMemory, status_kb
+
 from .micro import HostSyncCounter, run_micro
 from .workloads import VARIANTS, WORKLOADS, build_variant
 
@@ -96,29 +98,12 @@ def _memory_child(workload: str, variant: str, steps: int) -> dict:
     w = WORKLOADS[workload]
     v = build_variant(variant, w, w.load())
     v.step()
-    method = "VmHWM after clear_refs"
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")  # reset the peak RSS to the current RSS (Linux >= 4.0)
-    except OSError:
-        method = "ru_maxrss (includes model loading)"
-    rss0 = _status_kb("VmRSS")
+    peak = PeakMemory("cpu").start()
+    rss0 = status_kb("VmRSS")
     for _ in range(steps):
         v.step()
-    if method.startswith("VmHWM"):
-        peak = _status_kb("VmHWM")
-    else:
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"peak_rss_mb": peak / 1024, "rss_before_steps_mb": rss0 / 1024, "method": method}
-
-
-def _status_kb(key: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{key} not in /proc/self/status")
+    got = peak.read()
+    return {"peak_rss_mb": got["peak_memory_mb"], "rss_before_steps_mb": rss0 / 1024, "method": got["measure"]}
 
 
 def measure_memory(workload: str, variants: List[str], threads: int, steps: int, log=print) -> dict:

@@ -45,8 +45,11 @@ def test_tiny_grid_end_to_end_then_skips_done_cells(tiny_bert_dir, tmp_path):
     assert sorted(r["cell_id"] for r in scores) == sorted(ids) and {r["column"] for r in scores} == {"synthetic"}
     dp_rows = [r for r in scores if r["setting"] == "eps3"]
     assert all(0 < float(r["epsilon_spent"]) <= 3.0 and r["steps"] == "2" and float(r["mean_step_time_s"]) > 0
-               for r in dp_rows)
+               and float(r["peak_memory_mb"]) > 0 for r in dp_rows)
+    train_info = json.loads((out / ids[-1] / "summary.json").read_text())["train"]
+    assert train_info["device"] == "cpu" and train_info["timed_steps"] == 2 and train_info["peak_memory_mb"] > 0
     md = (out / "results.md").read_text()
+    assert "## Runtime and memory" in md and "| synthetic | ε=3 | PRISM |" in md  # the paper's Table 5 layout
     assert "| Setting | Method | Synthetic | Avg |" in md and "| Non-DP | AdamW |" in md and "| ε=3 | AdamW |" in md
     assert md.count("**") >= 4  # a best value per column and setting is bold
     tex = (out / "results.tex").read_text()
@@ -66,6 +69,16 @@ def test_tiny_grid_end_to_end_then_skips_done_cells(tiny_bert_dir, tmp_path):
     run3 = run_experiment(exp3, methods=["prism"], settings=[Setting(3.0)], progress=False, log=logs.append,
                           train_fn=boom)
     assert list(run3.failures) == ["synthetic__prism__eps3__seed7"] and "steps" in run3.failures[ids[-1]]
+    # where a run happened does not count, and a key that an older prismdp did not write matches its default
+    saved = json.loads((out / ids[-1] / "config.json").read_text())
+    del saved["pooling"]
+    (out / ids[-1] / "config.json").write_text(json.dumps(saved))
+    run4 = run_experiment(load_experiment(tiny_grid(tiny_bert_dir, out), {"device": "cpu"}), progress=False,
+                          log=logs.append, train_fn=boom)
+    assert run4.skipped == ids and not run4.failures
+    run5 = run_experiment(load_experiment(tiny_grid(tiny_bert_dir, out), {"pooling": "mean"}), progress=False,
+                          log=logs.append, train_fn=boom)
+    assert ids[-1] in run5.failures and "pooling" in run5.failures[ids[-1]]
 
 
 def test_cli_experiment(tiny_bert_dir, tmp_path, capsys):
@@ -275,3 +288,44 @@ def test_task_ids_of_the_same_task_get_their_own_columns(tmp_path):
     assert header == "| Setting | Method | CoLA | sst2-lr1x | sst2-lr5x | Avg |"
     prism = next(line for line in md.splitlines() if "PRISM" in line)
     assert "**0.710**" in prism and "**0.750**" in prism and "**0.300**" in prism
+
+
+def test_documented_commands_for_tables_3_to_5_select_the_papers_cells(tmp_path, capsys, monkeypatch):
+    """Every `prismdp experiment configs/paper-...` command of configs/README.md parses and selects the paper's
+    cells (dry run: no model is loaded)."""
+    import shlex
+
+    monkeypatch.chdir(CONFIGS.parent)
+    text = (CONFIGS / "README.md").read_text()
+    section = text[text.index("### The paper's Tables 3-5"):]
+    commands = [ln for ln in section.splitlines() if ln.startswith("prismdp experiment configs/paper-gemma3-4b.yaml")]
+    assert len(commands) == 5
+    for line in commands:
+        argv = shlex.split(line)[1:]
+        out = tmp_path / Path(argv[argv.index("--output") + 1]).name
+        argv[argv.index("--output") + 1] = str(out)
+        assert main(argv + ["--dry-run"]) == 0, line
+        listed = [x.split()[-1] for x in capsys.readouterr().out.splitlines() if x.startswith("[experiment] todo")]
+        tasks = ["math10k"] if "--tasks" in argv else ["glue8", "math10k"]
+        methods = argv[argv.index("--methods") + 1].split(",")
+        assert sorted(listed) == sorted(f"{t}__{m}__eps6__seed42" for t in tasks for m in methods), line
+    t3 = load_experiment(PAPER, {"model": "google/gemma-2-9b"}).cells(tasks=["math10k"])
+    assert {c.config.model for c in t3} == {"google/gemma-2-9b"}
+    assert all((c.config.rank, c.config.steps, c.config.max_length) == (16, 300, 256) for c in t3)
+    assert {c.config.rank for c in load_experiment(PAPER, {"rank": 8}).cells()} == {8}
+
+
+def test_gemma2_architecture_gets_the_papers_five_lora_targets():
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from prismdp.train.tasks import default_targets
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Gemma2Config(vocab_size=300, hidden_size=32, intermediate_size=48,
+                                                          num_hidden_layers=2, num_attention_heads=2,
+                                                          num_key_value_heads=1, head_dim=24))
+    assert type(model).__name__ == "Gemma2ForCausalLM" and default_targets(model) == TARGETS
+    peft = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules=TARGETS))
+    wrapped = {n.split(".")[-1] for n, m in peft.named_modules() if hasattr(m, "lora_A")}
+    assert wrapped == set(TARGETS)

@@ -36,6 +36,7 @@ def _add_train(sub) -> None:
     p.add_argument("--lr", type=float)
     p.add_argument("--head-lr", dest="head_lr", type=float,
                    help="learning rate of the trainable non-LoRA parameters (an encoder's new head; default --lr)")
+    p.add_argument("--device", help="auto (default: cuda if available, else cpu), cpu, cuda, cuda:N or mps")
     p.add_argument("--pooling", choices=["model", "mean"],
                    help="encoder tasks: the checkpoint's own head (model, default) or a new head on the masked mean "
                         "of the last hidden states (mean: what sentence encoders such as all-MiniLM-L6-v2 were trained for)")

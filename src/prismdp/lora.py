@@ -237,8 +237,8 @@ def move_to_rank_r_start(
         if init == "spectral":
             A0, B0 = U * S.sqrt(), V * S.sqrt()
         else:
-            qa, _ = torch.linalg.qr(torch.randn(m, r, generator=generator, dtype=torch.float64))
-            qb, _ = torch.linalg.qr(torch.randn(n, r, generator=generator, dtype=torch.float64))
+            qa, _ = torch.linalg.qr(torch.randn(m, r, generator=generator, dtype=torch.float64).to(W0.device))
+            qb, _ = torch.linalg.qr(torch.randn(n, r, generator=generator, dtype=torch.float64).to(W0.device))
             root = math.sqrt(init_scale * float(S[0]))
             A0, B0 = qa * root, qb * root
         if bool((pair.lora_B.weight != 0).any()) and bool((pair.lora_A.weight != 0).any()):

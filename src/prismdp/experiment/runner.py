@@ -11,6 +11,7 @@ after every cell (see :mod:`prismdp.experiment.tables`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -25,6 +26,7 @@ from .tables import Table, write_results
 __all__ = ["run_experiment", "ExperimentRun", "config_mismatch"]
 
 _RESOLVED_DEFAULTS = ("lr", "target_modules")  # None in the grid, filled in by the trainer
+_PLACE_KEYS = ("output", "device")  # where a run happened, not what it computed
 
 
 @dataclass
@@ -42,14 +44,20 @@ def _plain(v):
 
 
 def config_mismatch(cell: Cell) -> List[str]:
-    """TrainConfig keys on which the finished run in the cell's folder differs from the cell's configuration."""
+    """TrainConfig keys on which the finished run in the cell's folder differs from the cell's configuration.
+
+    Where the run happened (``output``, ``device``) does not count, and a key the saved configuration lacks (a
+    newer prismdp added it) matches its default, which is what the older version did."""
     path = Path(cell.config.output) / "config.json"
     if not path.is_file():
         return []
     saved = json.loads(path.read_text())
+    defaults = {f.name: f.default for f in dataclasses.fields(cell.config) if f.default is not dataclasses.MISSING}
     diffs = []
     for k, v in cell.config.to_dict().items():
-        if k == "output" or (v is None and k in _RESOLVED_DEFAULTS):
+        if k in _PLACE_KEYS or (v is None and k in _RESOLVED_DEFAULTS):
+            continue
+        if k not in saved and k in defaults and _plain(v) == _plain(defaults[k]):
             continue
         if _plain(saved.get(k)) != _plain(v):
             diffs.append(k)

@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..eval.generation import MATH_SETS, table_scores
 from ..eval.metrics import GLUE8_COLUMNS
+from ..train.profile import WARMUP_STEPS, run_step_times
 from .grid import Cell, Experiment, Setting
 
 __all__ = ["CellResult", "read_cell", "result_rows", "write_csv", "build_table", "render_markdown", "render_latex",
@@ -36,7 +37,7 @@ GROUPS = (("GLUE8", GLUE8_COLUMNS), ("Math-10K", MATH_SETS))
 _CANONICAL = (*GLUE8_COLUMNS, *MATH_SETS, "synthetic")
 CSV_FIELDS = ["cell_id", "task_id", "task", "method", "method_label", "setting", "dp", "epsilon_target", "seed",
               "column", "metric", "value", "epsilon_spent", "delta", "noise_multiplier", "steps", "mean_step_time_s",
-              "eval_time_s", "model"]
+              "peak_memory_mb", "eval_time_s", "model"]
 _DETAIL_METRICS = ("accuracy", "f1", "mcc", "pearson", "spearman", "correct", "n", "unparsed", "parse_rate",
                    "unfinished", "total")
 
@@ -47,20 +48,9 @@ class CellResult:
     summary: Dict[str, Any]
     config: Dict[str, Any]
     scores: Dict[str, float]
-    mean_step_time_s: Optional[float] = None
+    mean_step_time_s: Optional[float] = None  # after the warm-up steps (prismdp.train.profile)
     missing: Dict[str, str] = field(default_factory=dict)
-
-
-def _mean_step_time(path: Path) -> Optional[float]:
-    if not path.is_file():
-        return None
-    times = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            t = json.loads(line).get("step_time_s")
-            if isinstance(t, (int, float)):
-                times.append(float(t))
-    return sum(times) / len(times) if times else None
+    peak_memory_mb: Optional[float] = None  # of the training steps (summary.json "train"; absent in older runs)
 
 
 def read_cell(cell: Cell) -> Optional[CellResult]:
@@ -74,7 +64,8 @@ def read_cell(cell: Cell) -> Optional[CellResult]:
     if scores is None:
         scores = table_scores(summary.get("eval", {}), cell.config.task)
     return CellResult(cell, summary, config, {k: float(v) for k, v in scores.items()},
-                      _mean_step_time(out / "metrics.jsonl"), dict(summary.get("eval_missing", {})))
+                      run_step_times(out / "metrics.jsonl").get("mean_step_time_s"),
+                      dict(summary.get("eval_missing", {})), (summary.get("train") or {}).get("peak_memory_mb"))
 
 
 def result_rows(exp: Experiment, results: Sequence[CellResult]) -> List[Dict[str, Any]]:
@@ -92,6 +83,7 @@ def result_rows(exp: Experiment, results: Sequence[CellResult]) -> List[Dict[str
             "noise_multiplier": priv.get("noise_multiplier", "") if priv.get("private") else "",
             "steps": r.summary.get("steps", ""),
             "mean_step_time_s": "" if r.mean_step_time_s is None else r.mean_step_time_s,
+            "peak_memory_mb": "" if r.peak_memory_mb is None else r.peak_memory_mb,
             "eval_time_s": r.summary.get("eval_time_s", ""), "model": r.config.get("model", c.config.model) or "",
         }
         for col, v in r.scores.items():
@@ -337,6 +329,32 @@ def render_latex(t: Table) -> str:
     return "\n".join(out) + "\n"
 
 
+def render_runtime(exp: Experiment, cells: Sequence[Cell], results: Sequence[CellResult]) -> str:
+    """The paper's Table 5 layout: per task, setting and method, the step time after warm-up and the peak memory of
+    the training steps (mean over the seeds that have them)."""
+    by_cell = {r.cell.id: r for r in results}
+    lines = ["", "## Runtime and memory", "",
+             f"Mean step time after {WARMUP_STEPS} warm-up steps (all steps for runs shorter than "
+             f"{2 * WARMUP_STEPS}) and peak memory of the training steps (summary.json `train`: CUDA "
+             "max_memory_allocated on a GPU, the process's peak RSS on the CPU), mean over seeds.", "",
+             "| Task | Setting | Method | Step time (s) | Peak memory (MB) | Runs |", "|---|---|---|---:|---:|---:|"]
+    any_row = False
+    for task_id in exp.tasks:
+        for setting in exp.settings:
+            for method in exp.methods:
+                rs = [by_cell[c.id] for c in cells if c.task_id == task_id and c.setting == setting
+                      and c.method == method and c.id in by_cell]
+                times = [r.mean_step_time_s for r in rs if r.mean_step_time_s is not None]
+                mems = [r.peak_memory_mb for r in rs if r.peak_memory_mb is not None]
+                if not times and not mems:
+                    continue
+                any_row = True
+                t = f"{statistics.fmean(times):.3f}" if times else "–"
+                m = f"{statistics.fmean(mems):.0f}" if mems else "–"
+                lines.append(f"| {task_id} | {setting.label} | {exp.label(method)} | {t} | {m} | {len(rs)} |")
+    return "\n".join(lines) + "\n" if any_row else ""
+
+
 def write_results(exp: Experiment, cells: Sequence[Cell], out_dir: Path,
                   failures: Optional[Dict[str, str]] = None) -> Tuple[List[CellResult], Table]:
     """Read every finished cell and write ``results.csv``, ``results.md`` and ``results.tex`` into ``out_dir``."""
@@ -344,6 +362,6 @@ def write_results(exp: Experiment, cells: Sequence[Cell], out_dir: Path,
     results = [r for r in (read_cell(c) for c in cells) if r is not None]
     write_csv(out_dir / "results.csv", result_rows(exp, results))
     table = build_table(exp, cells, results, failures)
-    _atomic_write(out_dir / "results.md", render_markdown(table))
+    _atomic_write(out_dir / "results.md", render_markdown(table) + render_runtime(exp, cells, results))
     _atomic_write(out_dir / "results.tex", render_latex(table))
     return results, table

@@ -43,6 +43,7 @@ class TrainConfig:
     micro_batch_size: int = 8
     lr: float | None = None  # None = the method's default for the task family
     head_lr: float | None = None  # lr of the trainable non-LoRA parameters (an encoder's new head); None = lr
+    device: str = "auto"  # "auto" = cuda if available, else cpu; or any torch device string ("cuda:1", "cpu", "mps")
     pooling: str = "model"  # encoder tasks: "model" = the checkpoint's own head, "mean" = masked-mean-pooling head
     rank: int | None = None
     alpha: float | None = None
@@ -97,6 +98,21 @@ class TrainConfig:
             bad("dropout", f"must lie in [0, 1), got {self.dropout!r}")
         if self.accountant not in ("prv", "rdp"):
             bad("accountant", f"must be 'prv' or 'rdp', got {self.accountant!r}")
+        if not isinstance(self.device, str):
+            bad("device", f"must be a string such as auto, cpu, cuda or cuda:1, got {self.device!r}")
+        if self.device != "auto":
+            import torch
+
+            try:
+                dev = torch.device(self.device)
+            except (RuntimeError, ValueError):
+                bad("device", f"{self.device!r} is not a torch device; use auto, cpu, cuda, cuda:N or mps")
+            if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
+                bad("device", f"{self.device!r} is not available here (torch.cuda.is_available() = "
+                              f"{torch.cuda.is_available()}, {torch.cuda.device_count()} device(s)); use device: auto "
+                              f"or cpu, or install a CUDA build of torch")
+            if dev.type == "mps" and not torch.backends.mps.is_available():
+                bad("device", "mps is not available here; use device: auto or cpu")
         if self.pooling not in ("model", "mean"):
             bad("pooling", f"must be 'model' (the checkpoint's own classification head) or 'mean' (a new head on "
                            f"the masked mean of the last hidden states), got {self.pooling!r}")
@@ -135,6 +151,14 @@ class TrainConfig:
         """'math' for instruction tuning (the paper's Math-10K rates), 'demo' for the built-in task, 'glue' otherwise
         (glue8 trains at the GLUE rates)."""
         return {"instruct": "math", "synthetic": "demo"}.get(self.task, "glue")
+
+    def torch_device(self):
+        """The device the run trains on (``auto``: the first CUDA device if there is one, else the CPU)."""
+        import torch
+
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

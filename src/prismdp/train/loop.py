@@ -27,6 +27,7 @@ from ..lora import RankRStart
 from ..models import load_model
 from ..privacy import split_micro_batches
 from .config import ConfigError, TrainConfig
+from .profile import PeakMemory, run_step_times
 from .tasks import (build_task_data, default_targets, evaluate_classification, lora_exclude_modules, model_inputs,
                     task_head)
 
@@ -78,6 +79,7 @@ def _checkpoint(private, step: int, cfg: TrainConfig) -> dict:
         "data_sampler": private.data_sampler.state_dict(),
         "budget": private.budget.state_dict() if private.budget is not None else None,
         "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,  # dropout on a GPU
         "start": private.start.state_dict() if private.start is not None else None,
     }
 
@@ -101,6 +103,8 @@ def _restore(private, ckpt: dict) -> None:
     if private.budget is not None:
         private.budget.load_state_dict(ckpt["budget"])
     torch.set_rng_state(ckpt["torch_rng"])
+    if ckpt.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(ckpt["cuda_rng"])
 
 
 def _check_resume(cfg: TrainConfig, ckpt: dict) -> None:
@@ -141,7 +145,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
     out.mkdir(parents=True, exist_ok=True)
     lr = cfg.lr if cfg.lr is not None else _default_lr(cfg)
 
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # seeds every CUDA device too
+    device = cfg.torch_device()
     task_type, num_labels = task_head(cfg)
     model, tokenizer = load_model(cfg.model, task_type, num_labels, pooling=cfg.pooling)
     data = build_task_data(cfg, tokenizer)
@@ -155,13 +160,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
     exclude = lora_exclude_modules(model)  # vision tower etc. of a multimodal checkpoint: text-only training
     lora_cfg = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
                           exclude_modules=exclude, task_type="SEQ_CLS" if task_type == "seq_cls" else "CAUSAL_LM")
-    model = get_peft_model(model, lora_cfg)
+    model = get_peft_model(model, lora_cfg).to(device)
     private = make_private(
         model, method=cfg.method, lr=lr, dataset_size=len(data.train), batch_size=cfg.batch_size, steps=cfg.steps,
         target_epsilon=cfg.epsilon if cfg.dp else None, delta=cfg.delta, max_grad_norm=cfg.max_grad_norm,
         accountant=cfg.accountant, seed=cfg.seed, init=cfg.init, dense_lr=cfg.head_lr, **cfg.method_kwargs,
     )
     resolved = {**cfg.to_dict(), "lr": lr, "target_modules": targets, "dataset_size": len(data.train),
+                "torch_device": str(device),
                 "noise_multiplier": private.dp.noise_multiplier if private.dp else None,
                 "sample_rate": private.data_sampler.sample_rate, "data_notes": data.notes,
                 "lora_exclude_modules": exclude}
@@ -181,13 +187,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
     pad_id = tokenizer.pad_token_id
     model.train()
     bar = _progress(cfg.steps, step, progress)
+    peak = PeakMemory(device).start()  # the training steps' peak (loading and evaluation excluded)
     with open(metrics_path, "a") as metrics:
         for batch in private.batches():
             t0 = time.perf_counter()
             loss_sum, n = 0.0, 0
             for micro in split_micro_batches(batch, cfg.micro_batch_size):
                 feats = pad_collate([data.train[i] for i in micro.tolist()], pad_id)
-                losses = data.loss(model(**model_inputs(feats)).logits, feats["labels"])
+                losses = data.loss(model(**model_inputs(feats, device)).logits, feats["labels"].to(device))
                 private.backward(losses)
                 loss_sum += float(losses.detach().sum())
                 n += losses.numel()
@@ -219,7 +226,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
     bar.close()
 
     model.eval()
-    summary: dict = {"steps": step}
+    summary: dict = {"steps": step, "train": {**run_step_times(metrics_path), **peak.read(), "device": str(device)}}
     privacy = private.privacy_report()
     privacy.update(dataset_size=len(data.train), max_grad_norm=cfg.max_grad_norm if cfg.dp else None,
                    method=cfg.method)

@@ -145,8 +145,10 @@ def build_task_data(cfg: TrainConfig, tokenizer) -> TaskData:
     return TaskData("seq_cls", enc.features, classification_losses, eval_sets, task_name, notes)
 
 
-def model_inputs(batch: dict) -> dict:
-    return {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+def model_inputs(batch: dict, device: torch.device | None = None) -> dict:
+    """The model's input tensors of a collated batch (on ``device`` if given)."""
+    return {k: v if device is None else v.to(device) for k, v in batch.items()
+            if k in ("input_ids", "attention_mask", "token_type_ids")}
 
 
 @torch.no_grad()
@@ -156,9 +158,10 @@ def evaluate_classification(model: nn.Module, features: list[dict], pad_id: int,
     was_training = model.training
     model.eval()
     preds, golds = [], []
+    device = next(model.parameters()).device
     for start in range(0, len(features), batch_size):
         batch = pad_collate(features[start : start + batch_size], pad_id)
-        logits = model(**model_inputs(batch)).logits
+        logits = model(**model_inputs(batch, device)).logits.cpu()
         preds.append(logits.squeeze(-1) if logits.shape[-1] == 1 else logits.argmax(-1))
         golds.append(batch["labels"])
         if progress is not None:

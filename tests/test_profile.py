@@ -1,0 +1,51 @@
+"""Run cost bookkeeping (the paper's Table 5): step times after warm-up, peak memory, the device setting."""
+
+import json
+
+import pytest
+import torch
+
+from prismdp.train.config import ConfigError, TrainConfig
+from prismdp.train.profile import WARMUP_STEPS, PeakMemory, run_step_times, step_time_stats
+
+
+def test_step_time_stats_skip_the_warmup_only_for_long_enough_runs():
+    long = [100.0] * WARMUP_STEPS + [1.0, 2.0, 3.0] * WARMUP_STEPS
+    s = step_time_stats(long)
+    assert s["warmup_steps"] == WARMUP_STEPS and s["timed_steps"] == 3 * WARMUP_STEPS
+    assert s["mean_step_time_s"] == pytest.approx(2.0) and s["median_step_time_s"] == 2.0
+    short = [5.0, 1.0, 3.0]
+    assert step_time_stats(short) == {"mean_step_time_s": 3.0, "median_step_time_s": 3.0, "timed_steps": 3,
+                                      "warmup_steps": 0}
+    assert step_time_stats([]) == {}
+
+
+def test_run_step_times_reads_metrics_jsonl(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": i + 1, "step_time_s": float(i)}) + "\n" for i in range(4)))
+    assert run_step_times(path)["mean_step_time_s"] == pytest.approx(1.5)
+    assert run_step_times(tmp_path / "absent.jsonl") == {}
+
+
+def test_peak_memory_sees_an_allocation_made_after_start():
+    peak = PeakMemory("cpu").start()
+    before = peak.read()["peak_memory_mb"]
+    big = torch.ones(64 * 2**20 // 4)  # 64 MB, touched
+    big.add_(1.0)
+    after = peak.read()
+    assert after["peak_memory_mb"] >= before and after["measure"]
+    if after["measure"].startswith("VmHWM"):
+        assert after["peak_memory_mb"] - before > 50
+    del big
+    with pytest.raises(RuntimeError, match="before start"):
+        PeakMemory("cpu").read()
+
+
+def test_device_setting_is_checked_before_anything_runs():
+    assert TrainConfig().torch_device().type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert TrainConfig(device="cpu").torch_device() == torch.device("cpu")
+    with pytest.raises(ConfigError, match="device: 'gpu0' is not a torch device"):
+        TrainConfig(device="gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="device: 'cuda:0' is not available here"):
+            TrainConfig(device="cuda:0")
