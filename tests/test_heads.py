@@ -96,3 +96,16 @@ def test_pooling_errors_name_the_fix():
         load_model(None, "causal_lm", pooling="mean")
     with pytest.raises(ValueError, match="pooling must be one of"):
         load_model(None, "seq_cls", 2, pooling="cls")
+
+
+def test_cli_pooling_and_device_flags_reach_the_run(tiny_bert_dir, tmp_path):
+    from prismdp.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--model", tiny_bert_dir, "--steps", "1", "--batch-size", "16", "--micro-batch-size", "8",
+                 "--rank", "2", "--max-length", "24", "--output", str(out), "--quiet", "--pooling", "mean",
+                 "--device", "cpu", "--head-lr", "1e-2"]) == 0
+    resolved = json.loads((out / "config.json").read_text())
+    assert (resolved["pooling"], resolved["device"], resolved["torch_device"], resolved["head_lr"]) == \
+        ("mean", "cpu", "cpu", 1e-2)
+    assert (out / "adapter" / "prismdp_head.json").is_file()
