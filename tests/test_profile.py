@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from prismdp.train.config import ConfigError, TrainConfig
-from prismdp.train.profile import WARMUP_STEPS, PeakMemory, run_step_times, step_time_stats
+from prismdp.train.profile import NOT_RESET, RESET, WARMUP_STEPS, PeakMemory, run_step_times, step_time_stats
 
 
 def test_step_time_stats_skip_the_warmup_only_for_long_enough_runs():
@@ -34,7 +34,7 @@ def test_peak_memory_sees_an_allocation_made_after_start():
     big.add_(1.0)
     after = peak.read()
     assert after["peak_memory_mb"] >= before and after["measure"]
-    if after["measure"].startswith("VmHWM"):
+    if after["measure"] == RESET:  # a reset peak sees the new allocation (an unreset one may sit above it)
         assert after["peak_memory_mb"] - before > 50
     del big
     with pytest.raises(RuntimeError, match="before start"):
@@ -49,3 +49,18 @@ def test_device_setting_is_checked_before_anything_runs():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="device: 'cuda:0' is not available here"):
             TrainConfig(device="cuda:0")
+
+
+def test_peak_memory_says_when_the_kernel_ignored_the_reset(monkeypatch, tmp_path):
+    """A sandbox that accepts the clear_refs write but keeps the old peak must not be reported as a reset peak."""
+    import prismdp.train.profile as profile
+
+    fields = {"VmHWM": 900_000, "VmRSS": 300_000}  # kB: the old peak stays far above the current RSS
+    monkeypatch.setattr(profile, "status_kb", lambda key: fields[key])
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(tmp_path / "clear_refs", *a, **k)
+                        if str(path) == "/proc/self/clear_refs" else real_open(path, *a, **k))
+    peak = PeakMemory("cpu").start()
+    assert peak.measure == NOT_RESET and peak.read()["peak_memory_mb"] == pytest.approx(900_000 / 1024)
+    fields["VmHWM"] = 300_500  # the reset took: the peak is the current RSS
+    assert PeakMemory("cpu").start().measure == RESET
