@@ -60,7 +60,6 @@ def main(steps: int = 10, warmup: int = 3, b: int = 4, T: int = 128):
             p.grad = None
 
     fmodel, _ = build()
-    names = [n for n, p in fmodel.named_parameters() if p.requires_grad]
     params = {n: p.detach() for n, p in fmodel.named_parameters() if p.requires_grad}
     buffers = {n: p.detach() for n, p in fmodel.named_parameters() if not p.requires_grad}
     buffers.update(dict(fmodel.named_buffers()))

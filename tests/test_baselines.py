@@ -8,7 +8,7 @@ import torch
 from helpers import net_batch, tiny_net, per_example, gauge_transform
 from prismdp.engine import DEFAULT_LR, METHODS, make_private
 from prismdp.grad_sample import GradSampler
-from prismdp.lora import LoraSetupError, find_lora_pairs, get_factors, move_to_rank_r_start, set_factors
+from prismdp.lora import LoraSetupError, find_lora_pairs, move_to_rank_r_start
 from prismdp.losses import classification_losses
 from prismdp.optim import DPFactorOptimizer, Lamb, dp_adamw, dp_ffa, dp_lora_plus, dp_lora_rite
 from prismdp.privacy.clipping import DPConfig

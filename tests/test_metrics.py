@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from prismdp.eval.answers import (
-    AQUA_RULES,
     GLUE_LABELS,
     extract_choice,
     extract_number,

@@ -7,7 +7,6 @@ rescales every gradient by the realised batch size.  Neither is used here.
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 

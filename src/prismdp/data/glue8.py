@@ -34,13 +34,13 @@ Command line (writes the mixture as an LLM-Adapters JSON array)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Sequence, Union
 
+from ..atomic import write_json
 from ..eval.answers import GLUE_LABELS
 from .example import Example
 from .glue import glue_task, load_glue
@@ -187,9 +187,7 @@ def write_glue8_json(path: Union[str, os.PathLike], items: Sequence[Glue8Item]) 
     """Write the mixture as a JSON array of LLM-Adapters records (indent 4, like LLM-Adapters' files)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp")
-    tmp.write_text(json.dumps(glue8_records(items), indent=4, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, p)
+    write_json(p, glue8_records(items), indent=4, sort_keys=False, ensure_ascii=False)
     return p
 
 

@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 
+from ..atomic import write_text
 from .answers import AQUA_RULES, GLUE_LABELS, math_accuracy, parse_glue_label
 from .metrics import GLUE8_COLUMNS, glue_metrics, main_score, mnli_score
 
@@ -348,11 +349,9 @@ def run_eval_sets(model, tokenizer, sets: Sequence[EvalSet], *, batch_size: int 
                    source=s.source, decoding="greedy")
         out[s.name] = res
         if gdir is not None:
-            tmp = gdir / f".{s.name}.jsonl.tmp"
-            with open(tmp, "w", encoding="utf-8") as fh:
-                for gold, text, pred in zip(s.golds, g.texts, preds):
-                    fh.write(json.dumps({"gold": gold, "generation": text, "pred": pred}, ensure_ascii=False) + "\n")
-            os.replace(tmp, gdir / f"{s.name}.jsonl")
+            write_text(gdir / f"{s.name}.jsonl", "".join(
+                json.dumps({"gold": gold, "generation": text, "pred": pred}, ensure_ascii=False) + "\n"
+                for gold, text, pred in zip(s.golds, g.texts, preds)))
     return out
 
 

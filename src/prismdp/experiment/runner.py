@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
+from ..atomic import write_json
 from .grid import Cell, Experiment, Setting
 from .tables import Table, write_results
 
@@ -64,12 +64,6 @@ def config_mismatch(cell: Cell) -> List[str]:
     return diffs
 
 
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-
-
 def run_experiment(exp: Experiment, *, output: Optional[str] = None, tasks: Optional[Sequence[str]] = None,
                    methods: Optional[Sequence[str]] = None, settings: Optional[Sequence[Setting]] = None,
                    seeds: Optional[Sequence[int]] = None, dry_run: bool = False, tables_only: bool = False,
@@ -89,7 +83,7 @@ def run_experiment(exp: Experiment, *, output: Optional[str] = None, tasks: Opti
             log(f"[experiment] {state} {c.id}")
         return run
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(out_dir / "experiment.json", {
+    write_json(out_dir / "experiment.json", {
         "name": exp.name, "source": str(exp.path) if exp.path else None, "overrides": exp.overrides,
         "cells": {c.id: {**c.config.to_dict(), "task_id": c.task_id} for c in all_cells}})
     todo = [] if tables_only else cells

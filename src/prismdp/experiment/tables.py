@@ -16,12 +16,12 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..atomic import atomic_path, write_text
 from ..eval.generation import MATH_SETS, table_scores
 from ..eval.metrics import GLUE8_COLUMNS
 from ..train.profile import WARMUP_STEPS, run_step_times
@@ -96,20 +96,12 @@ def result_rows(exp: Experiment, results: Sequence[CellResult]) -> List[Dict[str
     return rows
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def write_csv(path: Path, rows: Sequence[Dict[str, Any]]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="", encoding="utf-8") as fh:
+    with atomic_path(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
         w = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
         w.writeheader()
         for row in rows:
             w.writerow(row)
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -362,6 +354,6 @@ def write_results(exp: Experiment, cells: Sequence[Cell], out_dir: Path,
     results = [r for r in (read_cell(c) for c in cells) if r is not None]
     write_csv(out_dir / "results.csv", result_rows(exp, results))
     table = build_table(exp, cells, results, failures)
-    _atomic_write(out_dir / "results.md", render_markdown(table) + render_runtime(exp, cells, results))
-    _atomic_write(out_dir / "results.tex", render_latex(table))
+    write_text(out_dir / "results.md", render_markdown(table) + render_runtime(exp, cells, results))
+    write_text(out_dir / "results.tex", render_latex(table))
     return results, table

@@ -11,8 +11,6 @@ private training data and are *not* covered by the DP guarantee: keep them with 
 from __future__ import annotations
 
 import json
-import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +18,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, get_peft_model
 
+from ..atomic import atomic_path, write_json, write_text
 from ..data.collate import pad_collate
 from ..engine import DEFAULT_LR, make_private
 from ..export import export_adapter
@@ -48,16 +47,9 @@ class TrainResult:
     tokenizer: object
 
 
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-
-
 def _save_torch(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
 
 
 def _trainable_state(model) -> dict:
@@ -171,7 +163,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
                 "noise_multiplier": private.dp.noise_multiplier if private.dp else None,
                 "sample_rate": private.data_sampler.sample_rate, "data_notes": data.notes,
                 "lora_exclude_modules": exclude}
-    _write_json(out / "config.json", resolved)
+    write_json(out / "config.json", resolved)
 
     step = 0
     if ckpt is not None:
@@ -179,9 +171,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
         step = ckpt["step"]
         kept = [ln for ln in metrics_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step] \
             if metrics_path.exists() else []
-        tmp = metrics_path.with_name(".metrics.jsonl.tmp")
-        tmp.write_text("".join(ln + "\n" for ln in kept))
-        os.replace(tmp, metrics_path)
+        write_text(metrics_path, "".join(ln + "\n" for ln in kept))
         log(f"[prismdp] resumed from step {step}")
 
     pad_id = tokenizer.pad_token_id
@@ -230,7 +220,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
     privacy = private.privacy_report()
     privacy.update(dataset_size=len(data.train), max_grad_norm=cfg.max_grad_norm if cfg.dp else None,
                    method=cfg.method)
-    _write_json(out / "privacy.json", privacy)
+    write_json(out / "privacy.json", privacy)
     summary["privacy"] = privacy
     t_eval = time.perf_counter()
     evals = {name: evaluate_classification(model, feats, pad_id, cfg.eval_batch_size, data.task_name)
@@ -244,7 +234,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
     if evals:
         from ..eval.generation import table_scores
 
-        _write_json(out / "eval.json", evals)
+        write_json(out / "eval.json", evals)
         summary["eval"] = evals
         summary["scores"] = table_scores(evals, cfg.task)
         summary["eval_time_s"] = time.perf_counter() - t_eval
@@ -252,5 +242,5 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
         summary["eval_missing"] = data.gen_eval_missing
     head = {"pooling": cfg.pooling, "num_labels": num_labels} if cfg.pooling != "model" else None
     export_adapter(model, private.pairs, private.start, out / "adapter", head=head)
-    _write_json(out / "summary.json", summary)
+    write_json(out / "summary.json", summary)
     return TrainResult(summary, model, tokenizer)

@@ -1,0 +1,42 @@
+"""Atomic file writes: a file is either its old content or its complete new content, never half written.
+
+Each write goes to its own temporary file beside the target (the name carries the process id and a random
+suffix) and is moved over the target with ``os.replace``.  Unique names matter: two ``prismdp experiment``
+processes sharing one output folder rewrite the same ``results.csv``, and with one shared temporary name a writer
+could move the other's half-written file into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Union
+
+__all__ = ["atomic_path", "write_text", "write_json"]
+
+PathLike = Union[str, os.PathLike]
+
+
+@contextmanager
+def atomic_path(path: PathLike) -> Iterator[Path]:
+    """Yield a fresh temporary path beside ``path``; on success it replaces ``path``, on error it is removed."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text(path: PathLike, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_json(path: PathLike, obj: Any, *, indent: int = 2, sort_keys: bool = True, ensure_ascii: bool = True) -> None:
+    write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys, ensure_ascii=ensure_ascii) + "\n")
