@@ -63,8 +63,10 @@ def test_math_scoring_uses_gold_answer_and_records_aqua_rule():
     res = evaluate_math_generation("aqua", ["Answer: (C) because", "nothing", "B"], ["C", "A", "B"])
     assert res["aqua_rule"] == "first" and res["unparsed"] == 1
     assert res["correct"] == 1  # first capital A-E of "Answer: (C)" is the A of "Answer" (upstream rule)
+    assert res["predictions"] == ["A", None, "B"]
     assert evaluate_math_generation("aqua", ["Answer: (C) because"], ["C"], aqua_rule="last")["correct"] == 1
-    assert evaluate_math_generation("gsm8k", ["so 1,234 apples", "x"], ["1234.0", "1"])["accuracy"] == 0.5
+    gsm = evaluate_math_generation("gsm8k", ["so 1,234 apples", "x"], ["1234.0", "1"])
+    assert gsm["accuracy"] == 0.5 and gsm["predictions"] == [1234.0, None]
 
 
 def test_eval_set_names_and_missing_files(tmp_path):
@@ -99,12 +101,12 @@ def test_run_eval_sets_bookkeeping(llama, tmp_path):
         assert ev["n"] == len(lines) == 4 and ev["total"] == (5 if name in ("gsm8k", "aqua") else 12)
         assert ev["max_new_tokens"] == 3 and ev["decoding"] == "greedy" and 0 <= ev["unfinished"] <= 4
         if name == "gsm8k":
-            bad = sum(extract_number(x["generation"]) is None for x in lines)
+            assert [x["pred"] for x in lines] == [extract_number(x["generation"]) for x in lines]
         elif name == "aqua":
-            bad = sum(extract_choice(x["generation"], rule="first") is None for x in lines)
+            assert [x["pred"] for x in lines] == [extract_choice(x["generation"], rule="first") for x in lines]
         else:
-            bad = sum(x["pred"] is None for x in lines)
             assert [x["gold"] for x in lines] == [s.golds for s in sets if s.name == name][0]
+        bad = sum(x["pred"] is None for x in lines)
         assert ev["unparsed"] == bad and ev["parse_rate"] == pytest.approx(1 - bad / 4)
     scores = table_scores(res)
     assert set(scores) == {"stsb", "mnli", "rte", "gsm8k", "aqua"}

@@ -53,6 +53,7 @@ __all__ = [
     "GLUE_LABELS",
     "extract_number",
     "extract_choice",
+    "extract_answer",
     "is_correct",
     "math_accuracy",
     "parse_glue_label",
@@ -129,15 +130,22 @@ def _gold_choice(gold: Any) -> str:
     return g
 
 
+def extract_answer(dataset: str, generation: Optional[str], aqua_rule: str = "last") -> Optional[Union[float, str]]:
+    """The answer the LLM-Adapters protocol reads from ``generation``: the last number (AQuA: an option letter by
+    ``aqua_rule``), or None when there is none."""
+    if _dataset_key(dataset) in CHOICE_DATASETS:
+        return extract_choice(generation, rule=aqua_rule)
+    return extract_number(generation)
+
+
 def _judge(key: str, generation: Optional[str], gold: Any, aqua_rule: str) -> tuple[bool, bool]:
     """(correct, parsed)."""
+    pred = extract_answer(key, generation, aqua_rule)
+    if pred is None:
+        return False, False
     if key in CHOICE_DATASETS:
-        g = _gold_choice(gold)
-        pred = extract_choice(generation, rule=aqua_rule)
-        return (pred is not None and pred == g), pred is not None
-    g = _gold_number(gold)
-    pred = extract_number(generation)
-    return (pred is not None and abs(pred - g) <= MATH_TOLERANCE), pred is not None
+        return pred == _gold_choice(gold), True
+    return abs(pred - _gold_number(gold)) <= MATH_TOLERANCE, True
 
 
 def is_correct(dataset: str, generation: Optional[str], gold: Any, aqua_rule: str = "last") -> bool:

@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 
 from ..atomic import write_text
-from .answers import AQUA_RULES, GLUE_LABELS, math_accuracy, parse_glue_label
+from .answers import AQUA_RULES, GLUE_LABELS, extract_answer, math_accuracy, parse_glue_label
 from .metrics import GLUE8_COLUMNS, glue_metrics, main_score, mnli_score
 
 __all__ = [
@@ -309,10 +309,12 @@ def evaluate_glue_generation(task: str, generations: Sequence[str], golds: Seque
 
 def evaluate_math_generation(dataset: str, generations: Sequence[str], golds: Sequence[Any], *,
                              aqua_rule: str = "first") -> Dict[str, Any]:
-    """LLM-Adapters exact-answer accuracy: ``accuracy``/``score``, ``n``, ``correct``, ``unparsed`` (+ AQuA rule)."""
+    """LLM-Adapters exact-answer accuracy: ``accuracy``/``score``, ``n``, ``correct``, ``unparsed`` (+ AQuA rule),
+    and ``predictions`` (the answer read from each generation, None where none was found)."""
     if aqua_rule not in AQUA_RULES:
         raise ValueError(f"aqua_rule must be one of {AQUA_RULES}, got {aqua_rule!r}")
     res = dict(math_accuracy(dataset, list(generations), list(golds), aqua_rule=aqua_rule))
+    res["predictions"] = [extract_answer(dataset, g, aqua_rule) for g in generations]
     res["score"] = res["accuracy"]
     res["parse_rate"] = 1.0 - res["unparsed"] / res["n"]
     if dataset.lower() == "aqua":
@@ -344,7 +346,7 @@ def run_eval_sets(model, tokenizer, sets: Sequence[EvalSet], *, batch_size: int 
             preds = res.pop("predictions")
         else:
             res = evaluate_math_generation(s.task, g.texts, s.golds, aqua_rule=aqua_rule)
-            preds = [None] * len(g.texts)
+            preds = res.pop("predictions")
         res.update(max_new_tokens=mnt, unfinished=sum(not f for f in g.finished), total=s.total or len(s.golds),
                    source=s.source, decoding="greedy")
         out[s.name] = res
