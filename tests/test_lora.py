@@ -7,7 +7,9 @@ from transformers import BertConfig, BertForSequenceClassification
 
 from helpers import padded_batch, tiny_bert_cls, tiny_llama
 from prismdp import geometry
-from prismdp.lora import LoraSetupError, find_lora_pairs, get_factors, move_to_rank_r_start
+from prismdp.export import export_adapter
+from prismdp.lora import (LoraSetupError, StartDropoutCompensation, find_lora_pairs, get_factors, set_factors,
+                          move_to_rank_r_start)
 from prismdp.optim import PRISM
 
 
@@ -46,6 +48,51 @@ def test_rank_r_start_keeps_outputs_and_balances(init):
         torch.testing.assert_close(A.T @ A, B.T @ B, rtol=1e-5, atol=1e-6)
         assert torch.linalg.matrix_rank(A @ B.T) == pair.shape[2]
         torch.testing.assert_close((A @ B.T).float(), A0 @ B0.T, rtol=1e-5, atol=1e-6)
+
+
+def _train_logits(model, ids, mask, seed=5):
+    torch.manual_seed(seed)  # the same dropout masks in every call
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits
+
+
+def test_lora_dropout_acts_on_the_update_only_after_the_rank_r_start(tmp_path):
+    """Train mode, dropout 0.5: the started model computes W0 x + (Z - Z0) drop(x), as ordinary LoRA and the
+    exported adapter on the original base do, not (W0 - Z0) x + Z drop(x)."""
+    from peft import PeftModel
+
+    model = tiny_bert_cls(seed=2, dropout=0.5).double().train()
+    original = get_peft_model(model.get_base_model().__class__(model.get_base_model().config).double(),
+                              model.peft_config["default"])  # a second model to receive the original weights
+    original.load_state_dict(model.state_dict())
+    ids, mask = padded_batch([7, 4, 9])
+    before = _train_logits(model, ids, mask)
+    pairs = find_lora_pairs(model)
+    start = move_to_rank_r_start(pairs)
+    assert start.dropout_compensation.active
+    torch.testing.assert_close(_train_logits(model, ids, mask), before, rtol=0, atol=1e-10)
+    start.dropout_compensation.remove()  # the test has power: uncompensated, dropout hits Z0 x
+    assert (_train_logits(model, ids, mask) - before).abs().max() > 1e-6  # vs < 1e-10 compensated
+    start.dropout_compensation = StartDropoutCompensation(pairs, start.factors)
+
+    g = torch.Generator().manual_seed(0)
+    for pair in pairs:  # move Z away from Z0, as training does
+        A, B = get_factors(pair, torch.float64)
+        set_factors(pair, A + 0.3 * torch.randn(A.shape, generator=g, dtype=A.dtype),
+                    B + 0.3 * torch.randn(B.shape, generator=g, dtype=B.dtype))
+    export_adapter(model, pairs, start, tmp_path / "adapter")
+    exported = PeftModel.from_pretrained(original.unload(), tmp_path / "adapter").double().train()
+    torch.testing.assert_close(_train_logits(model, ids, mask), _train_logits(exported, ids, mask),
+                               rtol=0, atol=1e-5)
+    model.eval()  # eval mode: nothing is added (dropout is the identity)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
+                                   exported.eval()(input_ids=ids, attention_mask=mask).logits, rtol=0, atol=1e-5)
+
+
+def test_no_compensation_hooks_without_dropout():
+    model = tiny_bert_cls(dropout=0.0)
+    assert not move_to_rank_r_start(find_lora_pairs(model)).dropout_compensation.active
 
 
 def test_spectral_start_is_top_r_part_of_base_weight():
