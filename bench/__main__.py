@@ -30,10 +30,11 @@ import torch
 from prismdp.train.profile import PeakMemory, status_kb
 
 from .micro import HostSyncCounter, run_micro
-from .workloads import VARIANTS, WORKLOADS, build_variant
+from .workloads import ABLATIONS, VARIANTS, WORKLOADS, build_variant
 
 RATIOS = [  # (name, numerator, denominator, target by workload)
     ("prism / dp-adamw", "prism", "dp-adamw", {"W1": 1.03, "W2": 1.03}),
+    ("prism / prism-no-dropout-comp", "prism", "prism-no-dropout-comp", {}),
     ("dp-adamw / opacus-dp-adamw", "dp-adamw", "opacus-dp-adamw", {"W1": 1.00, "W2": 1.00}),
     ("prism / lora-adamw", "prism", "lora-adamw", {"W1": 1.15, "W2": 1.10}),
     ("dp-adamw / lora-adamw", "dp-adamw", "lora-adamw", {}),
@@ -196,7 +197,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", type=_csv, default=["W1", "W2"], help=f"of {', '.join(WORKLOADS)}")
-    p.add_argument("--variants", type=_csv, default=list(VARIANTS), help=f"of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", type=_csv, default=list(VARIANTS),
+                   help=f"of {', '.join(VARIANTS)} (default: all), or the ablation {', '.join(ABLATIONS)}")
     p.add_argument("--steps", type=int, default=10, help="measured rounds (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up rounds (default 3)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
@@ -208,9 +210,10 @@ def main(argv=None) -> int:
     p.add_argument("--memory-child", nargs=2, metavar=("WORKLOAD", "VARIANT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    unknown = [w for w in args.workloads if w not in WORKLOADS] + [v for v in args.variants if v not in VARIANTS]
+    unknown = [w for w in args.workloads if w not in WORKLOADS] + \
+        [v for v in args.variants if v not in VARIANTS + ABLATIONS]
     if unknown:
-        p.error(f"unknown workload/variant {unknown}; workloads {list(WORKLOADS)}, variants {list(VARIANTS)}")
+        p.error(f"unknown workload/variant {unknown}; workloads {list(WORKLOADS)}, variants {list(VARIANTS + ABLATIONS)}")
     if args.memory_child:
         print(json.dumps(_memory_child(*args.memory_child, steps=max(1, min(args.steps, 2)))))
         return 0

@@ -7,6 +7,8 @@ Variants:
 * ``lora-adamw``      non-private LoRA: PEFT + ``torch.optim.AdamW``, mean loss, gradient accumulation.
 * ``dp-adamw``        prismdp's factor-space DP-AdamW (``make_private(method="dp-adamw")``).
 * ``prism``           prismdp's PRISM (``make_private(method="prism")``).
+* ``prism-no-dropout-comp`` (opt-in ablation, not in the default run) PRISM without the hooks that keep LoRA
+                      dropout off the rank-r start (``prismdp.lora.StartDropoutCompensation``): their cost.
 * ``opacus-dp-adamw`` Opacus' own DP-AdamW: ``PrivacyEngine.make_private`` (hooks mode) around the same PEFT
                       model, micro-batches as Opacus' virtual steps (``signal_skip_step``), as BatchMemoryManager
                       does.
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 VARIANTS = ("lora-adamw", "dp-adamw", "prism", "opacus-dp-adamw")
+ABLATIONS = ("prism-no-dropout-comp",)  # selectable with --variants, not run by default
 
 
 @dataclass
@@ -155,8 +158,8 @@ def _per_example_losses(w: Workload, model, ids, mask, labels):
 
 def build_variant(name: str, w: Workload, base: nn.Module) -> Variant:
     """A fresh PEFT copy of ``base`` set up for variant ``name``, with its step function."""
-    if name not in VARIANTS:
-        raise ValueError(f"unknown variant {name!r}; choose from {VARIANTS}")
+    if name not in VARIANTS + ABLATIONS:
+        raise ValueError(f"unknown variant {name!r}; choose from {VARIANTS + ABLATIONS}")
     torch.manual_seed(0)
     model = _peft(base, w)
     vocab = model.get_input_embeddings().num_embeddings
@@ -173,12 +176,14 @@ def build_variant(name: str, w: Workload, base: nn.Module) -> Variant:
 
         return Variant(name, step)
 
-    if name in ("dp-adamw", "prism"):
+    if name in ("dp-adamw", "prism", "prism-no-dropout-comp"):
         from prismdp.engine import make_private
 
-        private = make_private(model, method=name, lr=1e-4, dataset_size=10 * w.batch, batch_size=w.batch,
+        private = make_private(model, method=name.split("-no-")[0], lr=1e-4, dataset_size=10 * w.batch, batch_size=w.batch,
                                steps=10 ** 6, noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
         private.budget = private.optimizer.budget = None  # timing only: no accounting in the loop
+        if name == "prism-no-dropout-comp":
+            private.start.dropout_compensation.remove()
         timer = Timer()
         private.optimizer.accumulate = timer.wrap(private.optimizer.accumulate)
         private.optimizer.step = timer.wrap(private.optimizer.step)
