@@ -213,7 +213,8 @@ def main(argv=None) -> int:
     unknown = [w for w in args.workloads if w not in WORKLOADS] + \
         [v for v in args.variants if v not in VARIANTS + ABLATIONS]
     if unknown:
-        p.error(f"unknown workload/variant {unknown}; workloads {list(WORKLOADS)}, variants {list(VARIANTS + ABLATIONS)}")
+        p.error(f"unknown workload/variant {unknown}; workloads {list(WORKLOADS)}, "
+                f"variants {list(VARIANTS + ABLATIONS)}")
     if args.memory_child:
         print(json.dumps(_memory_child(*args.memory_child, steps=max(1, min(args.steps, 2)))))
         return 0

@@ -179,7 +179,8 @@ def build_variant(name: str, w: Workload, base: nn.Module) -> Variant:
     if name in ("dp-adamw", "prism", "prism-no-dropout-comp"):
         from prismdp.engine import make_private
 
-        private = make_private(model, method=name.split("-no-")[0], lr=1e-4, dataset_size=10 * w.batch, batch_size=w.batch,
+        method = "prism" if name == "prism-no-dropout-comp" else name
+        private = make_private(model, method=method, lr=1e-4, dataset_size=10 * w.batch, batch_size=w.batch,
                                steps=10 ** 6, noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
         private.budget = private.optimizer.budget = None  # timing only: no accounting in the loop
         if name == "prism-no-dropout-comp":
