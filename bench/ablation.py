@@ -18,7 +18,6 @@ Run: ``python -m bench.ablation [--threads 2] [--steps 10]``; writes ``bench/res
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import statistics
@@ -30,26 +29,6 @@ import torch
 VARIANTS = ("current", "per-module", "qr-norms", "always-mask", "all-off", "dp-adamw")
 
 
-@contextlib.contextmanager
-def _switched_off(names):
-    import prismdp.geometry as geometry
-    import prismdp.optim.factor_dp as factor_dp
-    import prismdp.optim.prism as prism
-
-    saved = (prism.shape_groups, geometry.projected_grad_norm_sq_balanced, prism.contributing, factor_dp.contributing)
-    try:
-        if "per-module" in names:
-            prism.shape_groups = lambda pairs: [[k] for k in range(len(pairs))]
-        if "qr-norms" in names:
-            geometry.projected_grad_norm_sq_balanced = geometry.projected_grad_norm_sq
-        if "always-mask" in names:
-            prism.contributing = factor_dp.contributing = lambda coef: coef > 0
-        yield
-    finally:
-        (prism.shape_groups, geometry.projected_grad_norm_sq_balanced, prism.contributing,
-         factor_dp.contributing) = saved
-
-
 def _setup(base, variant):
     from peft import LoraConfig, get_peft_model
 
@@ -57,30 +36,31 @@ def _setup(base, variant):
     from prismdp.grad_sample import PerExampleGrads
 
     off = {"per-module", "qr-norms", "always-mask"} if variant == "all-off" else {variant}
-    with _switched_off(off):
-        model = get_peft_model(copy.deepcopy(base), LoraConfig(
-            r=16, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]))
-        private = make_private(model, method="dp-adamw" if variant == "dp-adamw" else "prism", lr=1e-4,
-                               dataset_size=80, batch_size=8, steps=10 ** 6, noise_multiplier=1.0, seed=0)
-        private.budget = private.optimizer.budget = None
+    kwargs = {} if variant == "dp-adamw" else {"stack_by_shape": "per-module" not in off,
+                                                 "norms": "qr" if "qr-norms" in off else "gram"}
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(
+        r=16, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]))
+    private = make_private(model, method="dp-adamw" if variant == "dp-adamw" else "prism", lr=1e-4,
+                           dataset_size=80, batch_size=8, steps=10 ** 6, noise_multiplier=1.0, seed=0, **kwargs)
+    private.mechanism.budget = None
+    private.mechanism.always_mask = "always-mask" in off
     g = torch.Generator().manual_seed(0)
     lora = [(torch.randn(4, p.shape[0], 16, generator=g), torch.randn(4, p.shape[1], 16, generator=g))
             for p in private.pairs]
-    # the sampler's grouped layout, as in training
-    grouped = [(torch.stack([lora[k][0] for k in grp]), torch.stack([lora[k][1] for k in grp]))
-               for grp in private.grad_sampler.groups]
+    # the sampler's stacked layout, as in training
+    stacked = [(torch.stack([lora[k][0] for k in idx]), torch.stack([lora[k][1] for k in idx]))
+               for idx in private.grad_sampler.stacks]
     views = [None] * len(lora)
-    for grp, (gb, ga) in zip(private.grad_sampler.groups, grouped):
-        for j, k in enumerate(grp):
+    for idx, (gb, ga) in zip(private.grad_sampler.stacks, stacked):
+        for j, k in enumerate(idx):
             views[k] = (gb[j], ga[j])
-    grads = PerExampleGrads(4, views, groups=private.grad_sampler.groups, grouped=grouped)
+    grads = PerExampleGrads(4, views, stacks=private.grad_sampler.stacks, stacked=stacked)
     opt = private.optimizer
 
     def step():
-        with _switched_off(off):
-            opt.accumulate(grads)
-            opt.accumulate(grads)
-            opt.step()
+        opt.accumulate(grads)
+        opt.accumulate(grads)
+        opt.step()
 
     return step
 

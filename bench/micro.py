@@ -57,12 +57,14 @@ def _prism_setup(m: int, n: int, r: int, b: int, seed: int = 0):
     from prismdp.lora import find_lora_pairs, move_to_rank_r_start
     from prismdp.optim import PRISM
     from prismdp.privacy.clipping import DPConfig
+    from prismdp.privacy.mechanism import GaussianMechanism
 
     torch.manual_seed(seed)
     model = get_peft_model(_OneLinear(m, n), LoraConfig(r=r, lora_alpha=r, target_modules=["proj"]))
     pairs = find_lora_pairs(model)
     move_to_rank_r_start(pairs, init="random", generator=torch.Generator().manual_seed(seed))
-    opt = PRISM(pairs, lr=1e-3, dp=DPConfig(1.0, 1.0, float(b)), generator=torch.Generator().manual_seed(seed))
+    opt = PRISM(pairs, lr=1e-3, mechanism=GaussianMechanism(DPConfig(1.0, 1.0, float(b)),
+                                                         generator=torch.Generator().manual_seed(seed)))
     g = torch.Generator().manual_seed(seed + 1)
     grads = PerExampleGrads(b, [(torch.randn(b, m, r, generator=g), torch.randn(b, n, r, generator=g))])
     return opt, grads

@@ -182,7 +182,7 @@ def build_variant(name: str, w: Workload, base: nn.Module) -> Variant:
         method = "prism" if name == "prism-no-dropout-comp" else name
         private = make_private(model, method=method, lr=1e-4, dataset_size=10 * w.batch, batch_size=w.batch,
                                steps=10 ** 6, noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
-        private.budget = private.optimizer.budget = None  # timing only: no accounting in the loop
+        private.mechanism.budget = None  # timing only: no accounting in the loop
         if name == "prism-no-dropout-comp":
             private.start.dropout_compensation.remove()
         timer = Timer()

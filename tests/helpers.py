@@ -88,3 +88,12 @@ def gauge_transform(pairs, seed):
         r = A.shape[1]
         R = torch.randn(r, r, generator=g, dtype=torch.float64) + 2 * torch.eye(r, dtype=torch.float64)
         set_factors(pair, A @ R, B @ torch.linalg.inv(R).T)
+
+
+def mechanism(sigma, C, b, seed=None, budget=None):
+    """A Gaussian mechanism with noise multiplier ``sigma``, clipping bound ``C``, expected batch ``b``."""
+    from prismdp.privacy.clipping import DPConfig
+    from prismdp.privacy.mechanism import GaussianMechanism
+
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    return GaussianMechanism(DPConfig(sigma, C, b), generator=gen, budget=budget)

@@ -5,13 +5,12 @@ import math
 import pytest
 import torch
 
-from helpers import net_batch, tiny_net, per_example, gauge_transform
+from helpers import gauge_transform, mechanism, net_batch, per_example, tiny_net
 from prismdp.engine import DEFAULT_LR, METHODS, make_private
 from prismdp.grad_sample import GradSampler
 from prismdp.lora import LoraSetupError, find_lora_pairs, move_to_rank_r_start
 from prismdp.losses import classification_losses
 from prismdp.optim import DPFactorOptimizer, Lamb, dp_adamw, dp_ffa, dp_lora_plus, dp_lora_rite
-from prismdp.privacy.clipping import DPConfig
 
 C = 0.5
 BASELINES = ["dp-adamw", "ffa", "lora-plus", "lamb", "lora-rite"]
@@ -42,8 +41,7 @@ def private_setup(method, sigma=0.0, b=4.0, noise_seed=1, clip=C):
         spec.prepare(model, "default")
     pairs = find_lora_pairs(model, trainable=spec.trainable)
     sampler = GradSampler(model, pairs)
-    opt = spec.build(pairs, sampler.dense_params, lr=1e-2, dp=DPConfig(sigma, clip, b),
-                     generator=torch.Generator().manual_seed(noise_seed), budget=None)
+    opt = spec.build(pairs, sampler.dense_params, lr=1e-2, mechanism=mechanism(sigma, clip, b, noise_seed))
     assert isinstance(opt, DPFactorOptimizer)
     return model, pairs, sampler, opt
 
@@ -88,20 +86,20 @@ def test_private_clip_is_per_example_global_L2_on_the_trained_tensors(method):
         return ref, math.sqrt(sum(float(g.square().sum()) for g in ref))
 
     model, _, _, opt = private_setup(method)
-    norms = sorted(autograd_grads(model, opt._params(), i)[1] for i in range(4))
+    norms = sorted(autograd_grads(model, opt.params, i)[1] for i in range(4))
     clip = 0.5 * (norms[1] + norms[2])  # between the norms: some examples are clipped, some are not
     model, pairs, sampler, opt = private_setup(method, clip=clip)
-    trained = opt._params()
+    trained = opt.params
     assert len(trained) == len(sampler.dense_params) + len(pairs) * (1 if method == "ffa" else 2)
     clipped = []
     for i in range(4):
         ref, ref_norm = autograd_grads(model, trained, i)
-        opt._sums = None
+        opt.mechanism.reset()
         opt.accumulate(per_example(model, sampler, x[i : i + 1], y[i : i + 1]))
         coef = min(1.0, clip / ref_norm)
-        for s, g in zip(opt._sums, ref):
+        for s, g in zip(opt.mechanism.sums, ref):
             torch.testing.assert_close(s, coef * g, rtol=1e-4, atol=1e-7)
-        norm = math.sqrt(sum(float(s.square().sum()) for s in opt._sums))
+        norm = math.sqrt(sum(float(s.square().sum()) for s in opt.mechanism.sums))
         assert norm <= clip * (1 + 1e-5)
         clipped.append(coef < 1)
     assert any(clipped) and not all(clipped)
@@ -112,7 +110,7 @@ def test_private_noise_has_std_sigma_C_over_b_on_every_trained_coordinate(method
     sigma, b, draws = 2.0, 8.0, 200
     model, pairs, sampler, opt = private_setup(method, sigma=sigma, b=b)
     tau = sigma * C / b
-    trained = opt._params()
+    trained = opt.params
     grads = []
     for _ in range(draws):  # nothing accumulated: the released gradient is noise / b
         opt.step()
@@ -181,7 +179,7 @@ def test_frozen_A_pairs_need_frozen_A_and_carry_no_A_gradient():
     with pytest.raises(LoraSetupError, match="freeze_lora_A"):
         find_lora_pairs(model, trainable="B")
     with pytest.raises(ValueError, match="frozen lora_A|trainable lora_A"):
-        dp_ffa(find_lora_pairs(model), dp=None)
+        dp_ffa(find_lora_pairs(model), mechanism=None)
     METHODS["ffa"].prepare(model, "default")
     with pytest.raises(LoraSetupError, match="no trainable"):
         find_lora_pairs(model, trainable="both")  # no pair has two trainable factors any more
@@ -192,7 +190,7 @@ def test_frozen_A_pairs_need_frozen_A_and_carry_no_A_gradient():
     grads = per_example(model, sampler, x, y)
     assert all(g_wa is None and g_wb.shape[0] == 3 for g_wb, g_wa in grads.lora)
     with pytest.raises(ValueError, match="frozen lora_A"):
-        dp_lora_rite(pairs, dp=None)
+        dp_lora_rite(pairs, mechanism=None)
 
 
 # ------------------------------------------------------------------------------------------ LoRA+
@@ -204,7 +202,7 @@ def test_lora_plus_lr_ratio_in_groups_and_in_the_first_step():
     randomise_lora_B(model)
     pairs = find_lora_pairs(model)
     sampler = GradSampler(model, pairs)
-    opt = dp_lora_plus(pairs, sampler.dense_params, lr=lr, dp=None)
+    opt = dp_lora_plus(pairs, sampler.dense_params, lr=lr, mechanism=None)
     assert {g["name"]: g["lr"] for g in opt.param_groups} == {"lora_A": lr, "lora_B": ratio * lr, "dense": lr}
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     x, y = net_batch(8, seed=4)
@@ -265,7 +263,7 @@ def _z_trajectory(build, gauge, steps=8, **kw):
     move_to_rank_r_start(pairs, init="random", init_scale=0.3, generator=torch.Generator().manual_seed(3))
     if gauge:
         gauge_transform(pairs, seed=11)
-    opt = build(pairs, [], lr=0.02, dp=None, **kw)
+    opt = build(pairs, [], lr=0.02, mechanism=None, **kw)
     traj = [delta_weights(pairs)]
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
@@ -295,10 +293,10 @@ def test_nonfinite_example_contributes_zero_and_is_counted_factor_space(bad_valu
     bad = per_example(model, sampler, x, y)
     bad.lora[0][0][3, 0, 0] = bad_value
     opt.accumulate(bad)
-    assert opt._clip.stats()["nonfinite"] == 1
-    with_bad = [s.clone() for s in opt._sums]
+    assert opt.mechanism.clip.stats()["nonfinite"] == 1
+    with_bad = [s.clone() for s in opt.mechanism.sums]
     assert all(torch.isfinite(s).all() for s in with_bad)
-    opt._sums = None
+    opt.mechanism.reset()
     opt.accumulate(per_example(model, sampler, x[:3], y[:3]))  # the three finite examples alone
-    for a, b in zip(with_bad, opt._sums):
+    for a, b in zip(with_bad, opt.mechanism.sums):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

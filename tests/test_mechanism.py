@@ -5,13 +5,12 @@ import math
 import pytest
 import torch
 
-from helpers import net_batch, tiny_net, per_example, gauge_transform
+from helpers import gauge_transform, mechanism, net_batch, per_example, tiny_net
 from prismdp import geometry
 from prismdp.grad_sample import GradSampler
 from prismdp.lora import find_lora_pairs, get_factors, move_to_rank_r_start, set_factors
 from prismdp.losses import classification_losses
 from prismdp.optim import PRISM, dp_adamw
-from prismdp.privacy.clipping import DPConfig
 
 C = 0.5
 
@@ -23,8 +22,7 @@ def setup_prism(sigma=0.0, b=4.0, seed=0, dtype=torch.float32, noise_seed=1, hea
     if gauge_seed is not None:
         gauge_transform(pairs, gauge_seed)
     sampler = GradSampler(model, pairs)
-    opt = PRISM(pairs, lr=0.05, dense_params=sampler.dense_params, dp=DPConfig(sigma, C, b),
-                generator=torch.Generator().manual_seed(noise_seed), **kw)
+    opt = PRISM(pairs, lr=0.05, dense_params=sampler.dense_params, mechanism=mechanism(sigma, C, b, noise_seed), **kw)
     return model, pairs, sampler, opt
 
 
@@ -33,12 +31,11 @@ def release_norm(opt, release):
     lora, dense = release
     sq = sum(geometry.tangent_norm_sq(*get_factors(opt.pairs[k]), dA, dB) for k, (dA, dB) in enumerate(lora))
     sq = sq + sum(d.square().sum() for d in dense)
-    return float(sq.sqrt()) * opt.dp.expected_batch_size
+    return float(sq.sqrt()) * opt.mechanism.expected_batch_size
 
 
 def clean_release(opt, grads_list):
-    opt._acc = None
-    opt._clip.reset()
+    opt.mechanism.reset()
     for g in grads_list:
         opt.accumulate(g)
     return opt.private_release()
@@ -73,12 +70,11 @@ def test_add_or_remove_one_example_moves_the_sum_by_at_most_C(method):
             model = tiny_net()
             pairs = find_lora_pairs(model)
             sampler = GradSampler(model, pairs)
-            opt = dp_adamw(pairs, sampler.dense_params, dp=DPConfig(0.0, C, 4.0))
+            opt = dp_adamw(pairs, sampler.dense_params, mechanism=mechanism(0.0, C, 1.0))
             sums = []
             for idx in (list(range(8)), keep):
-                opt._sums = None
                 opt.accumulate(per_example(model, sampler, x[idx], y[idx]))
-                sums.append(opt._sums)
+                sums.append(opt.mechanism.release(opt.coords).values)  # b = 1: the clipped sums
             dist = math.sqrt(sum(float((a - b_).square().sum()) for a, b_ in zip(*sums)))
         assert dist <= C * (1 + 1e-5), (drop, dist)
 
@@ -86,7 +82,6 @@ def test_add_or_remove_one_example_moves_the_sum_by_at_most_C(method):
 def test_released_noise_has_std_sigma_C_over_expected_batch():
     sigma, b = 2.0, 8.0
     model, pairs, sampler, opt = setup_prism(sigma=sigma, b=b)
-    opt._ensure_frames()
     tau = sigma * C / b
     draws = 400
     energy = {k: [] for k in range(len(pairs))}
@@ -154,7 +149,7 @@ def test_nonfinite_example_contributes_zero_and_is_counted():
     bad[3, 0, 0] = float("nan")
     ref = clean_release(opt, [per_example(model, sampler, x[[0, 1, 2, 4]], y[[0, 1, 2, 4]])])
     got = clean_release(opt, [per_example(model, sampler, bad, y)])
-    assert opt._clip.stats()["nonfinite"] == 1
+    assert opt.last_clip.as_dict()["nonfinite"] == 1
     for (a, b_), (c, d) in zip(ref[0], got[0]):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(b_, d, rtol=1e-5, atol=1e-7)
@@ -173,16 +168,16 @@ class _Refusing:
 
 def test_budget_refusal_happens_before_noise_or_update():
     model, pairs, sampler, opt = setup_prism(sigma=1.0)
-    opt.budget = _Refusing()
+    opt.mechanism.budget = _Refusing()
     x, y = net_batch(4)
     opt.accumulate(per_example(model, sampler, x, y))
     before = [p.detach().clone() for pair in pairs for p in pair.params]
-    gen_state = opt.generator.get_state()
+    gen_state = opt.mechanism.generator.get_state()
     with pytest.raises(RuntimeError, match="budget exhausted"):
         opt.step()
-    assert torch.equal(opt.generator.get_state(), gen_state)  # no noise drawn
+    assert torch.equal(opt.mechanism.generator.get_state(), gen_state)  # no noise drawn
     assert all(torch.equal(a, p) for a, p in zip(before, [p for pair in pairs for p in pair.params]))
-    assert opt.budget.recorded == 0
+    assert opt.mechanism.budget.recorded == 0
 
 
 
@@ -198,7 +193,7 @@ def test_gauge_invariant_trajectory_without_noise():
         if gauge:
             gauge_transform(pairs, seed=11)
         sampler = GradSampler(model, pairs)
-        opt = PRISM(pairs, lr=0.05, dp=DPConfig(0.0, 0.05, 6.0))
+        opt = PRISM(pairs, lr=0.05, mechanism=mechanism(0.0, 0.05, 6.0))
         traj, clipped = [], []
         for _ in range(20):
             opt.accumulate(per_example(model, sampler, x, y))
@@ -227,7 +222,7 @@ def test_gauge_invariant_law_with_noise():
             for p, (A, B) in zip(pairs, state):
                 set_factors(p, A, B)
             opt.state.clear()
-            opt.generator.manual_seed(seed)
+            opt.mechanism.generator.manual_seed(seed)
             opt.accumulate(g)
             opt.step()
             dz = sum(float((p.layer.get_delta_weight("default").detach() - z).square().sum()) for p, z in zip(pairs, z0))
@@ -250,8 +245,7 @@ def test_dp_adamw_matches_opacus_clipping_and_noise():
         model = tiny_net(seed=1)
         pairs = find_lora_pairs(model)
         sampler = GradSampler(model, pairs)
-        opt = dp_adamw(pairs, sampler.dense_params, lr=1e-2, dp=DPConfig(sigma, C, b),
-                       generator=torch.Generator().manual_seed(seed))
+        opt = dp_adamw(pairs, sampler.dense_params, lr=1e-2, mechanism=mechanism(sigma, C, b, seed))
         opt.accumulate(per_example(model, sampler, x, y))
         opt.step()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}, model
@@ -287,32 +281,29 @@ def test_exhausted_budget_is_refused_before_noise():
     model, pairs, sampler, opt = setup_prism(sigma=1.0)
     budget = PrivacyBudget(1.0, 0.1, 1e-5, target_epsilon=1.0)
     budget.record_step(budget.steps_allowed)  # everything spent
-    opt.budget = budget
+    opt.mechanism.budget = budget
     x, y = net_batch(4)
     opt.accumulate(per_example(model, sampler, x, y))
-    gen_state = opt.generator.get_state()
+    gen_state = opt.mechanism.generator.get_state()
     with pytest.raises(BudgetExhaustedError, match="privacy budget exhausted"):
         opt.step()
-    assert torch.equal(opt.generator.get_state(), gen_state)
+    assert torch.equal(opt.mechanism.generator.get_state(), gen_state)
 
 
 @pytest.mark.parametrize("dp", [True, False])
-def test_batching_modules_by_shape_does_not_change_the_math(monkeypatch, dp):
+def test_batching_modules_by_shape_does_not_change_the_math(dp):
     """tiny_net has two LoRA modules of one shape: stacked as one group they follow exactly the trajectory they
     follow one by one (private with clipping active and no noise, and non-private)."""
-    import prismdp.optim.prism as prism_module
-
     x, y = net_batch(6, seed=4, dtype=torch.float64)
     finals = []
-    for grouped in (True, False):
-        if not grouped:
-            monkeypatch.setattr(prism_module, "shape_groups", lambda pairs: [[k] for k in range(len(pairs))])
+    for stacked in (True, False):
         model = tiny_net(dtype=torch.float64, seed=2)
         pairs = find_lora_pairs(model)
         move_to_rank_r_start(pairs)
         sampler = GradSampler(model, pairs)
-        opt = PRISM(pairs, lr=0.05, dense_params=sampler.dense_params, dp=DPConfig(0.0, 0.05, 6.0) if dp else None)
-        assert [len(g) for g in opt.groups] == ([1, 2] if grouped else [1, 1, 1])
+        opt = PRISM(pairs, lr=0.05, dense_params=sampler.dense_params, stack_by_shape=stacked,
+                    mechanism=mechanism(0.0, 0.05, 6.0) if dp else None)
+        assert [len(idx) for idx in opt.stacks] == ([1, 2] if stacked else [1, 1, 1])
         for _ in range(6):
             if dp:
                 opt.accumulate(per_example(model, sampler, x, y))

@@ -25,6 +25,7 @@ from .lora import LoraPair, RankRStart, find_lora_pairs, freeze_lora_A, move_to_
 from .optim import PRISM, dp_adamw, dp_ffa, dp_lamb, dp_lora_plus, dp_lora_rite
 from .privacy import PoissonSampler, PrivacyBudget, calibrate_sigma
 from .privacy.clipping import DPConfig
+from .privacy.mechanism import GaussianMechanism
 
 __all__ = ["make_private", "PrivateLoRA", "METHODS", "register_method", "DEFAULT_LR", "set_dense_lr"]
 
@@ -56,16 +57,16 @@ METHODS: dict[str, MethodSpec] = {}
 
 def register_method(name: str, build: Callable[..., object], rank_r_start: bool = False, *,
                     prepare: Callable[[nn.Module, str], None] | None = None, trainable: str = "both") -> None:
-    """``build(pairs, dense_params, lr=..., dp=..., generator=..., budget=..., **kwargs)`` -> optimizer."""
+    """``build(pairs, dense_params, lr=..., mechanism=..., **kwargs)`` -> optimizer (``mechanism=None``: non-private)."""
     METHODS[name] = MethodSpec(build, rank_r_start, prepare, trainable)
 
 
-def _build_prism(pairs, dense_params, *, lr, dp, generator, budget, **kw):
-    return PRISM(pairs, lr=lr, dense_params=dense_params, dp=dp, generator=generator, budget=budget, **kw)
+def _build_prism(pairs, dense_params, *, lr, mechanism, **kw):
+    return PRISM(pairs, lr=lr, dense_params=dense_params, mechanism=mechanism, **kw)
 
 
-def _build_dp_adamw(pairs, dense_params, *, lr, dp, generator, budget, **kw):
-    return dp_adamw(pairs, dense_params, lr=lr, dp=dp, generator=generator, budget=budget, **kw)
+def _build_dp_adamw(pairs, dense_params, *, lr, mechanism, **kw):
+    return dp_adamw(pairs, dense_params, lr=lr, mechanism=mechanism, **kw)
 
 
 register_method("prism", _build_prism, rank_r_start=True)
@@ -103,8 +104,7 @@ class PrivateLoRA:
     pairs: list[LoraPair]
     grad_sampler: GradSampler
     optimizer: object
-    dp: DPConfig | None
-    budget: PrivacyBudget | None
+    mechanism: GaussianMechanism | None  # clipping, noise and budget; None for a non-private run
     data_sampler: PoissonSampler
     start: RankRStart | None
     delta: float
@@ -113,10 +113,18 @@ class PrivateLoRA:
 
     @property
     def private(self) -> bool:
-        return self.dp is not None
+        return self.mechanism is not None
+
+    @property
+    def dp(self) -> DPConfig | None:
+        return self.mechanism.dp if self.mechanism is not None else None
+
+    @property
+    def budget(self) -> PrivacyBudget | None:
+        return self.mechanism.budget if self.mechanism is not None else None
 
     def batches(self) -> Iterator[Tensor]:
-        """The remaining Poisson batches (index tensors), resumable through ``data_sampler.state_dict()``."""
+        """The remaining Poisson batches (index tensors), resumable through :meth:`state_dict`."""
         return iter(self.data_sampler)
 
     def backward(self, losses: Tensor) -> None:
@@ -162,6 +170,51 @@ class PrivateLoRA:
                    expected_batch_size=self.dp.expected_batch_size)
         return rep
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """Everything a resume needs, between two logical steps: the trained tensors, the optimizer state, the
+        mechanism (noise generator, budget), the data sampler, the rank-r start and the RNG states (dropout)."""
+        return {
+            "method": self.method,
+            "trainable": {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad},
+            "optimizer": self.optimizer.state_dict(),
+            "mechanism": self.mechanism.state_dict() if self.mechanism is not None else None,
+            "data_sampler": self.data_sampler.state_dict(),
+            "start": self.start.state_dict() if self.start is not None else None,
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict` of the same run (same model, method and privacy settings)."""
+        if state.get("method") != self.method:
+            raise ValueError(f"the checkpoint was trained with method {state.get('method')!r}, not {self.method!r}")
+        if (state.get("mechanism") is None) != (self.mechanism is None):
+            raise ValueError("the checkpoint's run was " + ("non-private" if state.get("mechanism") is None else
+                                                             "private") + ", this one is not")
+        if self.start is not None:
+            saved = RankRStart.from_state_dict(state["start"])
+            for (a, b), (a2, b2) in zip(self.start.factors, saved.factors, strict=True):
+                if not (torch.allclose(a, a2, atol=1e-6) and torch.allclose(b, b2, atol=1e-6)):
+                    raise ValueError("the rank-r start recomputed on resume differs from the checkpoint's; was the "
+                                     "base model changed? Resume with the same model.")
+        params = dict(self.model.named_parameters())
+        missing = sorted(set(state["trainable"]) - set(params))
+        if missing:
+            raise ValueError(f"the checkpoint holds parameters this model does not have: {missing[:5]}")
+        with torch.no_grad():
+            for name, value in state["trainable"].items():
+                params[name].copy_(value)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.mechanism is not None:
+            self.mechanism.load_state_dict(state["mechanism"])
+        self.data_sampler.load_state_dict(state["data_sampler"])
+        torch.set_rng_state(state["torch_rng"])
+        if state.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        self._seen = 0
+
 
 def make_private(
     model: nn.Module,
@@ -180,6 +233,7 @@ def make_private(
     init: str = "spectral",
     adapter: str = "default",
     dense_lr: float | None = None,
+    start: RankRStart | None = None,
     **method_kwargs,
 ) -> PrivateLoRA:
     """Validate the model, calibrate sigma for exactly ``steps`` Poisson steps and build the optimizer.
@@ -187,8 +241,9 @@ def make_private(
     ``batch_size`` is the *expected* logical batch size (sample rate ``q = batch_size / dataset_size``).  Give
     ``target_epsilon`` (sigma is calibrated) or ``noise_multiplier`` (epsilon is tracked and capped at nothing);
     neither gives a non-private run with the same geometry.  ``dense_lr`` sets the learning rate of the trainable
-    non-LoRA parameters (e.g. a new classification head; default ``lr``).  Every check runs before any noise is
-    drawn.
+    non-LoRA parameters (e.g. a new classification head; default ``lr``).  ``start``: the pairs were already moved
+    to this rank-r start (:func:`~prismdp.lora.move_to_rank_r_start`, e.g. to change their gauge first); it is kept
+    for the export instead of moving them again.  Every check runs before any noise is drawn.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {sorted(METHODS)}")
@@ -214,17 +269,20 @@ def make_private(
         budget = PrivacyBudget(dp.noise_multiplier, q, delta, target_epsilon=target_epsilon, accountant=accountant)
         budget.check_step(steps)  # the whole run fits in the budget, or fail now
     base_seed = seed if seed is not None else secrets.randbits(62)  # no seed: fresh OS entropy
-    gen = torch.Generator(device=pairs[0].lora_A.weight.device)
-    gen.manual_seed(base_seed)
+    device = pairs[0].lora_A.weight.device
+    mechanism = None
+    if dp is not None:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(base_seed)
+        mechanism = GaussianMechanism(dp, generator=gen, budget=budget, device=device)
     data_gen = torch.Generator().manual_seed(base_seed + 1)
-    start = move_to_rank_r_start(pairs, init=init, generator=torch.Generator().manual_seed(base_seed + 2)) \
-        if spec.rank_r_start else None
-    optimizer = spec.build(pairs, grad_sampler.dense_params, lr=lr, dp=dp, generator=gen, budget=budget,
-                           **method_kwargs)
+    if start is None and spec.rank_r_start:
+        start = move_to_rank_r_start(pairs, init=init, generator=torch.Generator().manual_seed(base_seed + 2))
+    optimizer = spec.build(pairs, grad_sampler.dense_params, lr=lr, mechanism=mechanism, **method_kwargs)
     if dense_lr is not None and grad_sampler.dense_params:
         set_dense_lr(optimizer, grad_sampler.dense_params, dense_lr)
-    if dp is not None:
+    if mechanism is not None:
         grad_sampler.arm()
     data_sampler = PoissonSampler(dataset_size, q, steps, generator=data_gen)
-    return PrivateLoRA(model, method, pairs, grad_sampler, optimizer, dp, budget, data_sampler, start, delta,
+    return PrivateLoRA(model, method, pairs, grad_sampler, optimizer, mechanism, data_sampler, start, delta,
                        accountant)

@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
-from .lora import LoraPair, LoraSetupError, shape_groups
+from .lora import LoraPair, LoraSetupError, stack_by_shape
 
 __all__ = ["PerExampleGrads", "GradSampler", "Recording", "dense_trainable_modules"]
 
@@ -40,10 +40,10 @@ class PerExampleGrads:
     batch_size: int
     lora: list[tuple[Tensor, Tensor | None]]
     dense: list[Tensor] = field(default_factory=list)
-    #: optional: the same LoRA gradients laid out per shape group (``groups[i]`` lists pair indices) as
-    #: ``grouped[i] = (g_WB (k, b, m, r), g_WA_T (k, b, n, r) or None)``; ``lora`` then holds views into them.
-    groups: list[list[int]] | None = None
-    grouped: list[tuple[Tensor, Tensor | None]] | None = None
+    #: optional: the same LoRA gradients laid out per stack of equal-shape pairs (``stacks[i]`` lists pair indices)
+    #: as ``stacked[i] = (g_WB (k, b, m, r), g_WA_T (k, b, n, r) or None)``; ``lora`` then holds views into them.
+    stacks: list[list[int]] | None = None
+    stacked: list[tuple[Tensor, Tensor | None]] | None = None
 
 
 def _flat(t: Tensor) -> Tensor:
@@ -110,7 +110,7 @@ class GradSampler:
 
     def __init__(self, model: nn.Module, pairs: list[LoraPair]):
         self.pairs = pairs
-        self.groups = shape_groups(pairs)
+        self.stacks = stack_by_shape(pairs)
         self.dense = dense_trainable_modules(model, pairs)
         self.dense_params = [p for _, ps in self.dense for p in ps]
         self._rec: Recording | None = None
@@ -173,8 +173,8 @@ class GradSampler:
     def grads(self, rec: Recording) -> PerExampleGrads:
         """Per-example gradients from a finished recording (forward and backward done).
 
-        Pairs of equal shape are written straight into one (k, b, m, r) buffer per shape group (one batched matmul
-        per pair, no copies), which PRISM consumes as a whole.
+        Pairs of equal shape are written straight into one (k, b, m, r) buffer per stack (one batched matmul per pair,
+        no copies), which PRISM consumes as a whole.
         """
         for k, pair in enumerate(self.pairs):
             if rec.lora_dy[k] is None or (pair.trains_A and (rec.lora_x[k] is None or rec.lora_dh[k] is None)):
@@ -183,22 +183,22 @@ class GradSampler:
                     "backward pass inside `with sampler.record():` with the LoRA adapter active"
                 )
         lora: list = [None] * len(self.pairs)
-        grouped = []
+        stacked = []
         batch = _flat(rec.lora_dy[0]).shape[0]
-        for g in self.groups:
-            first = self.pairs[g[0]]
+        for idx in self.stacks:
+            first = self.pairs[idx[0]]
             m, n, r = first.shape
-            dt, dev = rec.lora_dy[g[0]].dtype, rec.lora_dy[g[0]].device
-            buf_b = torch.empty(len(g), batch, m, r, dtype=dt, device=dev)
-            buf_a = torch.empty(len(g), batch, n, r, dtype=dt, device=dev) if first.trains_A else None
-            for j, k in enumerate(g):
+            dt, dev = rec.lora_dy[idx[0]].dtype, rec.lora_dy[idx[0]].device
+            buf_b = torch.empty(len(idx), batch, m, r, dtype=dt, device=dev)
+            buf_a = torch.empty(len(idx), batch, n, r, dtype=dt, device=dev) if first.trains_A else None
+            for j, k in enumerate(idx):
                 dy, h = _flat(rec.lora_dy[k]), _flat(rec.lora_h[k]).to(dt)
                 torch.bmm(dy.mT, h, out=buf_b[j])  # sum_t d_t h_t^T        (b, m, r)
                 if buf_a is not None:
                     x, dh = _flat(rec.lora_x[k]).to(dt), _flat(rec.lora_dh[k]).to(dt)
                     torch.bmm(x.mT, dh, out=buf_a[j])  # sum_t x_t (W_B^T d_t)^T  (b, n, r)
                 lora[k] = (buf_b[j], buf_a[j] if buf_a is not None else None)
-            grouped.append((buf_b, buf_a))
+            stacked.append((buf_b, buf_a))
         dense = []
         from opacus.grad_sample import GradSampleModule
 
@@ -208,7 +208,7 @@ class GradSampler:
                 raise RuntimeError(f"no activations/gradients were recorded for dense module {type(module).__name__}")
             got = GradSampleModule.GRAD_SAMPLERS[type(module)](module, [x], dy)
             dense.extend(got[p] for p in params)
-        return PerExampleGrads(batch_size=int(batch), lora=lora, dense=dense, groups=self.groups, grouped=grouped)
+        return PerExampleGrads(batch_size=int(batch), lora=lora, dense=dense, stacks=self.stacks, stacked=stacked)
 
     def close(self) -> None:
         for h in self._handles:

@@ -161,14 +161,14 @@ def find_lora_pairs(model: nn.Module, adapter: str = "default", trainable: str =
     return pairs
 
 
-def shape_groups(pairs: list[LoraPair]) -> list[list[int]]:
-    """Indices of the pairs grouped by (m, n, r, scaling, trained factors, dtype, device), in order of first
-    appearance: per-example gradients and PRISM's geometry process each group as one stacked batch."""
-    groups: dict[tuple, list[int]] = {}
+def stack_by_shape(pairs: list[LoraPair]) -> list[list[int]]:
+    """Indices of the pairs with equal (m, n, r, scaling, trained factors, dtype, device), in order of first
+    appearance: per-example gradients and PRISM's geometry process each such *stack* as one batched tensor."""
+    stacks: dict[tuple, list[int]] = {}
     for k, pair in enumerate(pairs):
         w = pair.lora_A.weight
-        groups.setdefault((pair.shape, pair.scaling, pair.trains_A, w.dtype, w.device), []).append(k)
-    return list(groups.values())
+        stacks.setdefault((pair.shape, pair.scaling, pair.trains_A, w.dtype, w.device), []).append(k)
+    return list(stacks.values())
 
 
 @torch.no_grad()

@@ -123,7 +123,7 @@ def gauge_training(session: Session) -> Result:
 def _swept_factors(session: Session) -> tuple[str, torch.Tensor, torch.Tensor]:
     s = session.settings
     seed = s.seeds[0]
-    _, pairs = session.rank_r_pairs(seed)
+    _, pairs, _ = session.rank_r_pairs(seed)
     if s.module is not None:
         pairs = [p for p in pairs if s.module in p.name]
         if not pairs:

@@ -4,7 +4,7 @@
 tokenizer and the task data once (through :mod:`prismdp.train.tasks` / :mod:`prismdp.models`, so every model
 and task the trainer supports works) and makes runs; :meth:`Session.run` gives one private run of ``prism`` or
 ``dp-adamw``, optionally from a gauge-rescaled start, whose :meth:`Run.records` yields one
-:class:`~prismdp.diagnostics.probe.StepRecord` per optimizer step.
+:class:`~prismdp.diagnostics.probe.StepMeasure` per optimizer step.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from ..data.collate import pad_collate
-from ..engine import DEFAULT_LR, METHODS, make_private
+from ..engine import DEFAULT_LR, make_private
 from ..lora import find_lora_pairs, get_factors, move_to_rank_r_start, set_factors
 from ..models import load_model
 from ..privacy import calibrate_sigma, split_micro_batches
 from ..train.config import TrainConfig
 from ..train.tasks import build_task_data, default_targets, model_inputs, task_head
 from . import measures
-from .probe import StepRecord, make_probe
+from .probe import StepMeasure, make_probe
 
 __all__ = ["Settings", "Session", "Run", "COMPARED", "METHOD_LABELS"]
 
@@ -146,12 +146,12 @@ class Session:
                           task_type="SEQ_CLS" if self.task_type == "seq_cls" else "CAUSAL_LM")
         return get_peft_model(copy.deepcopy(self.base), lcfg)
 
-    def rank_r_pairs(self, seed: int):
-        """The LoRA pairs of a fresh model after the rank-r start PRISM uses (for the fixed-Z sweep)."""
-        model = self.peft_model(seed)
+    def rank_r_pairs(self, seed: int, model=None):
+        """The LoRA pairs of a fresh model (or of ``model``) after the rank-r start PRISM uses, and the start."""
+        model = self.peft_model(seed) if model is None else model
         pairs = find_lora_pairs(model)
-        move_to_rank_r_start(pairs, init=self.settings.init, generator=torch.Generator().manual_seed(seed + 2))
-        return model, pairs
+        start = move_to_rank_r_start(pairs, init=self.settings.init, generator=torch.Generator().manual_seed(seed + 2))
+        return model, pairs, start
 
     def run(self, method: str, seed: int, steps: int, *, epsilon: float | None = None, gauge: float = 1.0) -> Run:
         return Run(self, method, seed, steps, self.settings.epsilon if epsilon is None else epsilon, gauge)
@@ -166,34 +166,30 @@ class Run:
         s = session.settings
         self.session, self.method, self.seed, self.steps, self.gauge = session, method, seed, steps, gauge
         self.model = session.peft_model(seed)
-        if method != "prism" and s.baseline_start == "rank-r":
-            move_to_rank_r_start(find_lora_pairs(self.model), init=s.init,
-                                 generator=torch.Generator().manual_seed(seed + 2))
+        # the start: PRISM's rank-r point (and DP-AdamW's with baseline_start rank-r) or PEFT's own, rescaled
+        # (A, B) -> (cA, B/c) (Z unchanged) before make_private builds the optimizer on it, as if the user had handed
+        # these factors over: PRISM re-balances them at construction, DP-AdamW keeps them
+        start = None
+        if method == "prism" or s.baseline_start == "rank-r":
+            _, pairs, start = session.rank_r_pairs(seed, self.model)
+        else:
+            pairs = find_lora_pairs(self.model)
+        with torch.no_grad():
+            for pair in pairs:
+                A, B = get_factors(pair, torch.float64)
+                set_factors(pair, *measures.scalar_gauge(A, B, gauge))
         self.lr = s.lr_for(method)
         private = make_private(self.model, method=method, lr=self.lr, dataset_size=session.dataset_size,
                                batch_size=s.batch_size, steps=steps, target_epsilon=epsilon, delta=s.delta,
-                               max_grad_norm=s.max_grad_norm, accountant=s.accountant, seed=seed, init=s.init)
+                               max_grad_norm=s.max_grad_norm, accountant=s.accountant, seed=seed, init=s.init,
+                               start=start)
         self.private = private
         self.sigma = private.dp.noise_multiplier
         self.tau = private.dp.noise_std / private.dp.expected_batch_size
-        self._gauge_start(gauge)
         self.probe = make_probe(private)
         self.shapes = [p.shape for p in private.pairs]
 
-    @torch.no_grad()
-    def _gauge_start(self, c: float) -> None:
-        """Rescale the start ``(A, B) -> (cA, B/c)`` (Z unchanged) and build the optimizer on it, as if the user had
-        handed these factors to ``make_private``: PRISM re-balances them at construction, DP-AdamW keeps them."""
-        private = self.private
-        for pair in private.pairs:
-            A, B = get_factors(pair, torch.float64)
-            set_factors(pair, *measures.scalar_gauge(A, B, c))
-        old = private.optimizer
-        private.optimizer = METHODS[self.method].build(
-            private.pairs, private.grad_sampler.dense_params, lr=self.lr, dp=private.dp, generator=old.generator,
-            budget=private.budget)
-
-    def records(self) -> Iterator[StepRecord]:
+    def records(self) -> Iterator[StepMeasure]:
         data, pad_id = self.session.data, self.session.tokenizer.pad_token_id
         private, mbs = self.private, self.session.settings.micro_batch_size
         self.model.train()
@@ -204,7 +200,7 @@ class Run:
                 private.backward(data.loss(self.model(**model_inputs(feats)).logits, feats["labels"]))
             yield self.probe.step()
 
-    def run_all(self, progress: bool = False, label: str = "") -> list[StepRecord]:
+    def run_all(self, progress: bool = False, label: str = "") -> list[StepMeasure]:
         """Train every step; returns the records (logs one line)."""
         from tqdm.auto import tqdm
 

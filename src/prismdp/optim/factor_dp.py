@@ -1,22 +1,24 @@
 """Factor-space DP-SGD (the common "DP-LoRA"), with Opacus' DPOptimizer semantics, around any torch optimizer.
 
 Per example, the gradients of every trained tensor (``lora_B.weight`` and, unless the pair's ``lora_A`` is frozen
-as in FFA-LoRA, ``lora_A.weight`` of each pair, and the dense parameters) are concatenated, clipped to global L2
-norm C, summed, perturbed by ``N(0, sigma^2 C^2)`` on every coordinate and divided by the expected batch size;
-the result is written to ``p.grad`` and the wrapped optimizer steps.  With ``AdamW`` this is the paper's DP-AdamW
-baseline; :mod:`prismdp.optim.baselines` wraps the other baselines' optimizers the same way.
+as in FFA-LoRA, ``lora_A.weight`` of each pair, and the dense parameters) are concatenated and their global L2 norm
+is handed to the :class:`~prismdp.privacy.mechanism.GaussianMechanism`, which clips, sums, adds ``N(0, sigma^2 C^2)``
+on every coordinate and divides by the expected batch size; the release is written to ``p.grad`` and the wrapped
+optimizer steps.  With ``AdamW`` this is the paper's DP-AdamW baseline; :mod:`prismdp.optim.baselines` wraps the
+other baselines' optimizers the same way.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from ..grad_sample import PerExampleGrads
 from ..lora import LoraPair
-from ..privacy.clipping import ClippedSum, DPConfig, clipped_sum, contributing, gaussian_like, noise_generator
+from ..privacy.mechanism import Euclidean, GaussianMechanism, PerExample
+from .hooks import StepHooks, StepRecord
 
 __all__ = ["DPFactorOptimizer", "dp_adamw"]
 
@@ -30,20 +32,15 @@ class DPFactorOptimizer:
         pairs: list[LoraPair],
         dense_params: Iterable[nn.Parameter] = (),
         *,
-        dp: DPConfig,
-        generator: torch.Generator | None = None,
-        budget=None,
+        mechanism: GaussianMechanism,
     ):
         self.optimizer = optimizer
         self.pairs = list(pairs)
         self.dense_params = list(dense_params)
-        self.dp = dp
-        self.budget = budget
-        self.generator = noise_generator(self.pairs[0].lora_A.weight.device, generator)
-        self._clip = ClippedSum(dp.max_grad_norm)
-        self._sums: list[Tensor] | None = None
-        self._last_clip = None
-        covered = {id(p) for p in self._params()}
+        self.mechanism = mechanism
+        self._hooks = StepHooks()
+        self.coords = Euclidean([p.shape for p in self.params], torch.float32, [p.device for p in self.params])
+        covered = {id(p) for p in self.params}
         stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in covered and p.requires_grad]
         if stray:
             raise ValueError(
@@ -51,7 +48,8 @@ class DPFactorOptimizer:
                 "they would escape the privacy guarantee. Fix: pass them as dense_params or remove them."
             )
 
-    def _params(self) -> list[nn.Parameter]:
+    @property
+    def params(self) -> list[nn.Parameter]:
         """Trained tensors in the order of :class:`PerExampleGrads`: per pair (lora_B[, lora_A]), then dense."""
         return [p for pair in self.pairs for p in pair.trained_params] + self.dense_params
 
@@ -59,49 +57,44 @@ class DPFactorOptimizer:
     def param_groups(self):
         return self.optimizer.param_groups
 
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def attach_step_hook(self, fn: Callable[[StepRecord], None]):
+        """Call ``fn(record)`` after every step; returns a handle with ``remove()``."""
+        return self._hooks.attach(fn)
+
     @torch.no_grad()
     def accumulate(self, grads: PerExampleGrads) -> None:
         if grads.batch_size == 0:
             return
-        # exactly the trained tensors, in the order of _params(): a frozen lora_A joins neither norm nor sum;
+        # exactly the trained tensors, in the order of params: a frozen lora_A joins neither norm nor sum;
         # lora_A's per-example gradient arrives transposed (n, r)
-        tensors: list[tuple[Tensor, bool]] = []
+        tensors: list[PerExample] = []
         for pair, (g_wb, g_wa_t) in zip(self.pairs, grads.lora):
-            tensors += [(g_wb, False), (g_wa_t, True)] if pair.trains_A else [(g_wb, False)]
-        tensors += [(g, False) for g in grads.dense]
-        tensors = [(t.float(), transposed) for t, transposed in tensors]
-        sq = sum(t.flatten(1).square().sum(1) for t, _ in tensors)
-        coef = self._clip.coefficients(sq)
-        keep = contributing(coef)
-        if self._sums is None:
-            self._sums = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self._params()]
-        for s, (t, transposed) in zip(self._sums, tensors):
-            summed = clipped_sum(coef, t, keep)
-            s.add_(summed.T if transposed else summed)
+            tensors.append(PerExample(g_wb.float()))
+            if pair.trains_A:
+                tensors.append(PerExample(g_wa_t.float(), transpose=True))
+        tensors += [PerExample(g.float()) for g in grads.dense]
+        sq = sum(t.values.flatten(1).square().sum(1) for t in tensors)
+        self.mechanism.accumulate(sq, tensors, self.coords)
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self.budget is not None:
-            self.budget.check_step()
-        params = self._params()
-        b = float(self.dp.expected_batch_size)
-        std = self.dp.noise_std
-        sums = self._sums or [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
-        for p, s in zip(params, sums):  # an empty Poisson batch releases noise only
-            if std > 0:
-                s = s + gaussian_like(s, std, self.generator)
-            p.grad = (s / b).to(p.dtype)
+        release = self.mechanism.release(self.coords)
+        for p, g in zip(self.params, release.values):  # an empty Poisson batch releases noise only
+            p.grad = g.to(p.dtype)
         loss = self.optimizer.step(closure)
-        self._sums = None
-        self._last_clip = self._clip.take()
-        if self.budget is not None:
-            self.budget.record_step()
+        self.last_clip = release.clip
+        self._hooks(StepRecord(release))
         return loss
 
     @property
     def last_stats(self) -> dict[str, float]:
         """Clipping statistics of the last step (reading them synchronises with the device)."""
-        return self._last_clip.as_dict() if self._last_clip is not None else {}
+        clip = getattr(self, "last_clip", None)
+        return clip.as_dict() if clip is not None else {}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -121,14 +114,12 @@ def dp_adamw(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     *,
-    dp: DPConfig | None,
-    generator: torch.Generator | None = None,
-    budget=None,
+    mechanism: GaussianMechanism | None,
 ):
-    """The DP-AdamW baseline (``dp=None``: plain AdamW on the factors, the non-private LoRA baseline)."""
+    """The DP-AdamW baseline (``mechanism=None``: plain AdamW on the factors, the non-private LoRA baseline)."""
     dense_params = list(dense_params)
     params = [p for pair in pairs for p in pair.trained_params] + dense_params
     opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    if dp is None:
+    if mechanism is None:
         return opt
-    return DPFactorOptimizer(opt, pairs, dense_params, dp=dp, generator=generator, budget=budget)
+    return DPFactorOptimizer(opt, pairs, dense_params, mechanism=mechanism)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from .adam import adam_direction, check_lr_betas, working_dtype
+from .adam import KeepStateDtypes, adam_direction, check_lr_betas, working_dtype
 
 __all__ = ["Lamb"]
 
 
-class Lamb(torch.optim.Optimizer):
+class Lamb(KeepStateDtypes, torch.optim.Optimizer):
     """LAMB; ``lr=5e-3`` is the paper's setting for every task family."""
 
     def __init__(self, params, lr: float = 5e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,

@@ -3,29 +3,34 @@
 One private step is a pipeline::
 
     accumulate(per-example grads)   per micro-batch: factor grads -> intrinsic norms (all modules + dense)
-                                    -> one global clip coefficient per example -> clipped *factor-gradient* sums
-    step()                          lift the clipped sums (the lift is linear) -> + tangent noise sigma C Xi
-                                    -> / expected batch size -> rank-space adaptive direction -> retraction
+                                    -> mechanism: one global clip coefficient per example, clipped factor-gradient sums
+    step()                          mechanism.release: lift the clipped sums (the lift is linear) + tangent noise
+                                    sigma C Xi, / expected batch size -> rank-space adaptive direction -> retraction
 
-Everything after the noise is post-processing of the Gaussian mechanism on the direct sum of the modules'
+Everything after the release is post-processing of the Gaussian mechanism on the direct sum of the modules'
 tangent spaces (plus the dense parameters), so one accountant covers everything trained.  Without a
-:class:`~prismdp.privacy.clipping.DPConfig` the optimizer is non-private: ``step()`` reads ``p.grad`` like any
-torch optimizer and applies the same geometry (lift, adaptive step, retraction) without clipping or noise.
+:class:`~prismdp.privacy.mechanism.GaussianMechanism` the optimizer is non-private: ``step()`` reads ``p.grad`` like
+any torch optimizer and applies the same geometry (lift, adaptive step, retraction) without clipping or noise.
+
+Modules of equal shape are processed as one *stack* (``self.stacks``: lists of pair indices): (k, m, r) factors,
+(k, b, m, r) per-example gradients, one batched factorisation per stack.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import Tensor, nn
 
 from .. import geometry
 from ..grad_sample import PerExampleGrads
-from ..lora import LoraPair, LoraSetupError, get_factors, set_factors, shape_groups
-from .adam import adam_direction, check_lr_betas, working_dtype
-from ..privacy.clipping import ClippedSum, DPConfig, clipped_sum, contributing, gaussian_like, noise_generator
+from .. import lora
+from ..lora import LoraPair, LoraSetupError, get_factors, set_factors
+from ..privacy.mechanism import GaussianMechanism, PerExample
+from .adam import KeepStateDtypes, adam_direction, check_lr_betas, working_dtype
+from .hooks import StepHooks, StepRecord
 
 __all__ = ["PRISM", "precondition"]
 
@@ -43,7 +48,33 @@ def precondition(
     return (Q * w.rsqrt().unsqueeze(-2)) @ Q.mT, w
 
 
-class PRISM(torch.optim.Optimizer):
+class _TangentCoordinates:
+    """PRISM's coordinates for the mechanism (one step): per stack the clipped factor-gradient sums
+    ``(sum alpha_i G_i B, sum alpha_i G_i^T A)`` lifted canonically, and isotropic tangent noise; dense parameters
+    Euclidean.  Sums are ordered ``[gA_0, gB_0, gA_1, gB_1, ..., dense_0, ...]``."""
+
+    def __init__(self, frames: list[geometry.Frame], factors: list[tuple[Tensor, Tensor]],
+                 dense_params: list[nn.Parameter], dtype: torch.dtype):
+        self.frames, self.factors, self.dense_params, self.dtype = frames, factors, dense_params, dtype
+
+    def zeros(self) -> list[Tensor]:
+        sums = [z for A, B in self.factors for z in (torch.zeros_like(A), torch.zeros_like(B))]
+        return sums + [torch.zeros(p.shape, dtype=self.dtype, device=p.device) for p in self.dense_params]
+
+    def _map(self, fn, tensors: list[Tensor]) -> list[Tensor]:
+        out = []
+        for i, fr in enumerate(self.frames):
+            out += fn(fr, tensors[2 * i], tensors[2 * i + 1])
+        return out + tensors[2 * len(self.frames):]
+
+    def signal(self, sums: list[Tensor]) -> list[Tensor]:
+        return self._map(geometry.lift_with_frame, sums)
+
+    def noise(self, draws: list[Tensor]) -> list[Tensor]:
+        return self._map(geometry.noise_with_frame, draws)
+
+
+class PRISM(KeepStateDtypes, torch.optim.Optimizer):
     """PRISM: DP-SGD on the intrinsic LoRA updates ``Z = A B^T`` with a DP-aware rank-space adaptive step.
 
     Args:
@@ -54,15 +85,15 @@ class PRISM(torch.optim.Optimizer):
         betas, eps: moment decay rates and the additive eigenvalue epsilon.
         dense_params: other trainable parameters (e.g. a classification head); they join the global per-example
             norm, get Euclidean noise of the same sigma and an Adam step.
-        dp: the Gaussian mechanism's constants; ``None`` for the non-private optimizer.
-        generator: the noise source; ``None`` draws a fresh seed from the OS (use a seeded generator only for
-            reproducible experiments).
-        budget: optional privacy budget with ``check_step()`` / ``record_step()``; a step that would exceed it is
-            refused before any noise is drawn.
+        mechanism: the Gaussian mechanism (clipping, noise, budget); ``None`` for the non-private optimizer.
         adaptive: rank-space Adam (Eqs. adam_moments-noise_floor); ``False`` gives plain Riemannian SGD.
         floor_factor: multiplier of the DP-aware floors (Eq. noise_floor).
         cond_max: condition-number clamp of the preconditioner (``None`` disables it).
         debias_second_moment: subtract the known noise covariance from the second moments (Appendix A.26).
+        stack_by_shape: process modules of equal shape as one stacked batch (``False``: one module at a time; the
+            same math, for benchmarks).
+        norms: per-example norms from r x r Gram matrices at the balanced factors (``"gram"``) or by triangular
+            solves (``"qr"``, :func:`prismdp.geometry.projected_grad_norm_sq`; for benchmarks).
     """
 
     def __init__(
@@ -73,37 +104,38 @@ class PRISM(torch.optim.Optimizer):
         eps: float = 1e-8,
         *,
         dense_params: Iterable[nn.Parameter] = (),
-        dp: DPConfig | None = None,
-        generator: torch.Generator | None = None,
-        budget=None,
+        mechanism: GaussianMechanism | None = None,
         adaptive: bool = True,
         floor_factor: float = 1.0,
         cond_max: float | None = 1e4,
         debias_second_moment: bool = True,
+        stack_by_shape: bool = True,
+        norms: str = "gram",
     ):
         check_lr_betas(lr, betas)
+        if norms not in ("gram", "qr"):
+            raise ValueError(f"norms must be 'gram' or 'qr', got {norms!r}")
         dense_params = list(dense_params)
-        groups = [{"params": [p for pair in pairs for p in pair.params], "kind": "lora"}]
+        param_groups = [{"params": [p for pair in pairs for p in pair.params], "kind": "lora"}]
         if dense_params:
-            groups.append({"params": dense_params, "kind": "dense"})
-        super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps))
+            param_groups.append({"params": dense_params, "kind": "dense"})
+        super().__init__(param_groups, dict(lr=lr, betas=tuple(betas), eps=eps))
         self.pairs = list(pairs)
         self.dense_params = dense_params
-        self.dp = dp
-        self.budget = budget
+        self.mechanism = mechanism
         self.adaptive = adaptive
         self.floor_factor = floor_factor
         self.cond_max = cond_max
         self.debias_second_moment = debias_second_moment
-        self.generator = noise_generator(self.pairs[0].lora_A.weight.device, generator)
-        self._clip = ClippedSum(dp.max_grad_norm) if dp is not None else None
-        self._last_clip = None
-        self.groups = shape_groups(self.pairs)
+        self._norm_sq = (geometry.projected_grad_norm_sq_balanced if norms == "gram"
+                         else geometry.projected_grad_norm_sq)
+        self.stacks = lora.stack_by_shape(self.pairs) if stack_by_shape else [[k] for k in range(len(self.pairs))]
+        self._hooks = StepHooks()
+        self.last_clip = None
         # working dtype: float32 for float32/bf16/fp16 weights, float64 for float64 ones
         self.dtype = working_dtype(self.pairs[0].lora_A.weight.dtype)
-        self._frames: list[geometry.Frame] | None = None  # per group, stacked
-        self._factors: list[tuple[Tensor, Tensor]] | None = None  # per group, stacked
-        self._acc: list[list[Tensor]] | None = None  # [group sums (gA, gB)..., dense sums...]
+        self._frames: list[geometry.Frame] | None = None  # per stack
+        self._factors: list[tuple[Tensor, Tensor]] | None = None  # per stack
         self._balance_factors()
 
     # ------------------------------------------------------------------ setup
@@ -123,82 +155,81 @@ class PRISM(torch.optim.Optimizer):
             A, B = geometry.balance(A, B)
             set_factors(pair, A, B)
 
-    def _stacked_factors(self, g: list[int]) -> tuple[Tensor, Tensor]:
-        """``(A, B)`` of the group's pairs stacked: (k, m, r), (k, n, r), in the working dtype."""
-        root = math.sqrt(self.pairs[g[0]].scaling)
-        A = torch.stack([self.pairs[k].lora_B.weight for k in g]).to(self.dtype) * root
-        B = torch.stack([self.pairs[k].lora_A.weight for k in g]).to(self.dtype).mT * root
+    def attach_step_hook(self, fn: Callable[[StepRecord], None]):
+        """Call ``fn(record)`` after every step (:class:`~prismdp.optim.hooks.StepRecord`); returns a handle with
+        ``remove()``."""
+        return self._hooks.attach(fn)
+
+    def _stacked_factors(self, idx: list[int]) -> tuple[Tensor, Tensor]:
+        """``(A, B)`` of the stack's pairs: (k, m, r), (k, n, r), in the working dtype."""
+        root = math.sqrt(self.pairs[idx[0]].scaling)
+        A = torch.stack([self.pairs[k].lora_B.weight for k in idx]).to(self.dtype) * root
+        B = torch.stack([self.pairs[k].lora_A.weight for k in idx]).to(self.dtype).mT * root
         return A, B
 
-    def _set_stacked_factors(self, g: list[int], A: Tensor, B: Tensor) -> None:
-        inv_root = 1.0 / math.sqrt(self.pairs[g[0]].scaling)
+    def _set_stacked_factors(self, idx: list[int], A: Tensor, B: Tensor) -> None:
+        inv_root = 1.0 / math.sqrt(self.pairs[idx[0]].scaling)
         WB, WA = A * inv_root, (B.mT * inv_root).contiguous()  # one batched transpose, then contiguous copies
-        for j, k in enumerate(g):
+        for j, k in enumerate(idx):
             wa, wb = self.pairs[k].params
             wb.copy_(WB[j])
             wa.copy_(WA[j])
 
     def _ensure_frames(self) -> list[geometry.Frame]:
-        """Per shape group: the stacked factors and their QR frames, computed once per step and reused by every
+        """Per stack: the stacked factors and their QR frames, computed once per step and reused by every
         micro-batch."""
         if self._frames is None:
-            self._factors = [self._stacked_factors(g) for g in self.groups]
+            self._factors = [self._stacked_factors(idx) for idx in self.stacks]
             self._frames = [geometry.frame(A, B) for A, B in self._factors]
         return self._frames
 
-    def _zero_sums(self) -> list[list[Tensor]]:
-        sums = [[torch.zeros_like(A), torch.zeros_like(B)] for A, B in self._factors]
-        return sums + [[torch.zeros(p.shape, dtype=self.dtype, device=p.device)] for p in self.dense_params]
+    def _coordinates(self) -> _TangentCoordinates:
+        return _TangentCoordinates(self._ensure_frames(), self._factors, self.dense_params, self.dtype)
 
-    def _stack_grads(self, g: list[int], per_pair) -> tuple[Tensor, Tensor]:
-        """Parameter-space gradients of the group's pairs stacked along a new leading dim, unscaled (see
+    def _stack_grads(self, idx: list[int], per_pair) -> tuple[Tensor, Tensor]:
+        """Parameter-space gradients of the stack's pairs stacked along a new leading dim, unscaled (see
         :meth:`_inv_root`): ``(G B, G^T A) * sqrt(s)``."""
-        return tuple(torch.stack([per_pair[k][part] for k in g]).to(self.dtype) for part in (0, 1))
+        return tuple(torch.stack([per_pair[k][part] for k in idx]).to(self.dtype) for part in (0, 1))
 
-    def _inv_root(self, g: list[int]) -> float:
+    def _inv_root(self, idx: list[int]) -> float:
         """Parameter-space factor gradients times this are the intrinsic ``(gA, gB) = (G B, G^T A)``."""
-        return 1.0 / math.sqrt(self.pairs[g[0]].scaling)
+        return 1.0 / math.sqrt(self.pairs[idx[0]].scaling)
 
-    def _group_grads(self, grads: PerExampleGrads) -> list[tuple[Tensor, Tensor]]:
-        """Per group (k, b, m, r) / (k, b, n, r) per-example factor gradients (unscaled): the sampler's own
-        stacks when it grouped the pairs as this optimizer does, else stacked here."""
-        if grads.grouped is not None and grads.groups == self.groups:
-            return [(gb.to(self.dtype), ga.to(self.dtype)) for gb, ga in grads.grouped]
-        return [self._stack_grads(g, grads.lora) for g in self.groups]
+    def _stacked_grads(self, grads: PerExampleGrads) -> list[tuple[Tensor, Tensor]]:
+        """Per stack (k, b, m, r) / (k, b, n, r) per-example factor gradients (unscaled): the sampler's own
+        stacks when it stacked the pairs as this optimizer does, else stacked here."""
+        if grads.stacked is not None and grads.stacks == self.stacks:
+            return [(gb.to(self.dtype), ga.to(self.dtype)) for gb, ga in grads.stacked]
+        return [self._stack_grads(idx, grads.lora) for idx in self.stacks]
 
     # ------------------------------------------------------------------ private accumulation
 
     @torch.no_grad()
     def accumulate(self, grads: PerExampleGrads) -> None:
-        """Clip one micro-batch of per-example gradients (one global intrinsic norm) and add them to the sums.
+        """Hand one micro-batch to the mechanism: the global intrinsic per-example norms and the factor gradients
+        to clip and sum.
 
-        Modules of equal shape are processed as one batch: (k, b, m, r) per-example factor gradients (written there
-        by the gradient sampler), r x r Gram matrices for the norms and one reduction per group; the only read from
-        the device is :func:`~prismdp.privacy.clipping.contributing`'s, once per micro-batch and on the CPU only.
+        Stacks of equal-shape modules are processed as one batch: (k, b, m, r) per-example factor gradients (written
+        there by the gradient sampler), r x r Gram matrices for the norms and one reduction per stack.
         """
-        if self.dp is None:
+        if self.mechanism is None:
             raise RuntimeError("accumulate() is for the private optimizer; the non-private one reads p.grad in step()")
         if grads.batch_size == 0:
             return
         frames = self._ensure_frames()
-        if self._acc is None:
-            self._acc = self._zero_sums()
-        group_grads = self._group_grads(grads)  # (k, b, m, r), (k, b, n, r), still to be scaled by inv_root
+        stacked = self._stacked_grads(grads)  # (k, b, m, r), (k, b, n, r), still to be scaled by inv_root
         sq = torch.zeros(grads.batch_size, dtype=self.dtype, device=frames[0].QA.device)
-        for g, fr, (gA, gB) in zip(self.groups, frames, group_grads):
+        per_example = []
+        for idx, fr, (gA, gB) in zip(self.stacks, frames, stacked):
             per_batch = geometry.Frame(*(t.unsqueeze(1) for t in fr))  # (k, 1, ., r) broadcasts over examples
-            sq = sq + self._inv_root(g) ** 2 * geometry.projected_grad_norm_sq_balanced(per_batch, gA, gB).sum(0)
+            inv_root = self._inv_root(idx)
+            sq = sq + inv_root ** 2 * self._norm_sq(per_batch, gA, gB).sum(0)
+            per_example += [PerExample(gA, dim=1, scale=inv_root), PerExample(gB, dim=1, scale=inv_root)]
         dense = [g.to(self.dtype) for g in grads.dense]
         for g in dense:
             sq = sq + g.flatten(1).square().sum(1)
-        coef = self._clip.coefficients(sq)
-        keep = contributing(coef)
-        for g, acc, (gA, gB) in zip(self.groups, self._acc, group_grads):
-            inv_root = self._inv_root(g)
-            acc[0].add_(clipped_sum(coef, gA, keep, dim=1), alpha=inv_root)
-            acc[1].add_(clipped_sum(coef, gB, keep, dim=1), alpha=inv_root)
-        for (acc,), g in zip(self._acc[len(self.groups):], dense):
-            acc.add_(clipped_sum(coef, g, keep))
+        per_example += [PerExample(g) for g in dense]
+        self.mechanism.accumulate(sq, per_example, self._coordinates())
 
     # ------------------------------------------------------------------ the step
 
@@ -208,68 +239,55 @@ class PRISM(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.dp is not None:
-            if self.budget is not None:
-                self.budget.check_step()
-            self._private_step()
-            if self.budget is not None:
-                self.budget.record_step()
-        else:
-            self._nonprivate_step()
-        self._frames, self._factors, self._acc = None, None, None
+        try:
+            if self.mechanism is not None:
+                self._private_step()
+            else:
+                self._nonprivate_step()
+        finally:
+            self._frames, self._factors = None, None
         return loss
 
     @property
     def last_stats(self) -> dict[str, float]:
         """Clipping statistics of the last private step (reading them synchronises with the device)."""
-        return self._last_clip.as_dict() if self._last_clip is not None else {}
+        return self.last_clip.as_dict() if self.last_clip is not None else {}
 
-    @torch.no_grad()
-    def _release_groups(self) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor]]:
-        """:meth:`private_release` per shape group: stacked (k, m, r) / (k, n, r) lifts."""
-        dp = self.dp
-        if dp is None:
-            raise RuntimeError("private_release() needs a DPConfig")
-        frames = self._ensure_frames()
-        b = float(dp.expected_batch_size)
-        std = dp.noise_std
-        acc = self._acc if self._acc is not None else self._zero_sums()  # empty Poisson batch: noise only
-        lora = []
-        for fr, (gA_sum, gB_sum) in zip(frames, acc):
-            dA, dB = geometry.lift_with_frame(fr, gA_sum, gB_sum)
-            if std > 0:
-                xi_A, xi_B = geometry.noise_with_frame(
-                    fr, gaussian_like(fr.QA, 1.0, self.generator), gaussian_like(fr.QB, 1.0, self.generator)
-                )
-                dA, dB = dA + std * xi_A, dB + std * xi_B
-            lora.append((dA / b, dB / b))
-        dense = []
-        for (s,) in acc[len(self.groups):]:
-            dense.append((s + gaussian_like(s, std, self.generator) if std > 0 else s) / b)
-        return lora, dense
+    def per_pair(self, stacked: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
+        """``[A_0, B_0, A_1, B_1, ...]`` stacked per stack (release order) -> ``(A, B)`` per pair."""
+        out: list = [None] * len(self.pairs)
+        for i, idx in enumerate(self.stacks):
+            for j, k in enumerate(idx):
+                out[k] = (stacked[2 * i][j], stacked[2 * i + 1][j])
+        return out
 
     @torch.no_grad()
     def private_release(self) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor]]:
-        """The Gaussian mechanism's output for this logical batch (Eq. dp_tangent_noise).
+        """The Gaussian mechanism's output for this logical batch (Eq. dp_tangent_noise), without the update.
 
         Per pair the lift ``(dA_dp, dB_dp)`` of ``(sum_i alpha_i P(G_i) + sigma C P(Xi)) / b`` and per dense
         parameter ``(sum_i alpha_i g_i + sigma C xi) / b``, with ``b`` the expected batch size.  Everything the
-        optimizer does afterwards is post-processing of this release.
+        optimizer does afterwards is post-processing of this release.  Consumes the accumulated sums and counts as
+        a release for the budget.
         """
-        groups, dense = self._release_groups()
-        lora: list = [None] * len(self.pairs)
-        for g, (dA, dB) in zip(self.groups, groups):
-            for j, k in enumerate(g):
-                lora[k] = (dA[j], dB[j])
-        return lora, dense
+        if self.mechanism is None:
+            raise RuntimeError("private_release() needs a mechanism")
+        release = self.mechanism.release(self._coordinates())
+        self.last_clip = release.clip
+        n = 2 * len(self.stacks)
+        return self.per_pair(release.values[:n]), release.values[n:]
 
     def _private_step(self) -> None:
-        lora, dense = self._release_groups()
-        tau = self.dp.noise_std / float(self.dp.expected_batch_size)  # per-dimension std of the released noise
-        for gi, (dA, dB) in enumerate(lora):
-            self._update_group(gi, dA, dB, tau)
-        self._dense_step(dense)
-        self._last_clip = self._clip.take()
+        release = self.mechanism.release(self._coordinates())
+        tau = self.mechanism.release_std  # per-dimension std of the released noise
+        n = 2 * len(self.stacks)
+        precond = []
+        for i in range(len(self.stacks)):
+            precond.append(self._update_stack(i, release.values[2 * i], release.values[2 * i + 1], tau))
+        self._dense_step(release.values[n:])
+        self.last_clip = release.clip
+        if self._hooks:
+            self._hooks(StepRecord(release, self.stacks, precond if self.adaptive else None))
 
     def _nonprivate_step(self) -> None:
         frames = self._ensure_frames()
@@ -279,39 +297,46 @@ class PRISM(torch.optim.Optimizer):
             grads.append(None if wa.grad is None and wb.grad is None else (
                 wb.grad if wb.grad is not None else torch.zeros_like(wb),
                 (wa.grad if wa.grad is not None else torch.zeros_like(wa)).T))
-        for gi, (g, fr) in enumerate(zip(self.groups, frames)):
-            if all(grads[k] is None for k in g):
+        for i, (idx, fr) in enumerate(zip(self.stacks, frames)):
+            if all(grads[k] is None for k in idx):
                 continue
             filled = {k: grads[k] if grads[k] is not None else (torch.zeros_like(self.pairs[k].lora_B.weight),
                                                                   torch.zeros_like(self.pairs[k].lora_A.weight).T)
-                      for k in g}
-            gA, gB = self._stack_grads(g, filled)
-            inv_root = self._inv_root(g)
+                      for k in idx}
+            gA, gB = self._stack_grads(idx, filled)
+            inv_root = self._inv_root(idx)
             dA, dB = geometry.lift_with_frame(fr, gA * inv_root, gB * inv_root)
-            self._update_group(gi, dA, dB, 0.0)
+            self._update_stack(i, dA, dB, 0.0)
         self._dense_step([p.grad.to(self.dtype) if p.grad is not None else None for p in self.dense_params])
+        if self._hooks:
+            self._hooks(StepRecord(None, self.stacks))
 
-    def _update_group(self, gi: int, dA: Tensor, dB: Tensor, tau: float) -> None:
+    def _update_stack(self, i: int, dA: Tensor, dB: Tensor, tau: float):
         """Adaptive direction from the (noisy) tangent update, then retraction and Procrustes alignment, for the
-        stacked pairs of one shape group."""
-        fr, (A, B) = self._frames[gi], self._factors[gi]
+        stacked pairs of stack ``i``.  Returns the preconditioners ``(P_A, w_A, P_B, w_B)`` (None if not adaptive)."""
+        fr, (A, B) = self._frames[i], self._factors[i]
         lr = self.param_groups[0]["lr"]
-        UA, UB = self._adaptive_direction(gi, fr, dA, dB, tau) if self.adaptive else (dA, dB)
+        precond = None
+        if self.adaptive:
+            UA, UB, precond = self._adaptive_direction(i, fr, dA, dB, tau)
+        else:
+            UA, UB = dA, dB
         A_new, B_new = geometry.retract(A, B, UA, UB, lr)
         A_new, B_new = geometry.procrustes_align(A_new, B_new, A, B)
-        self._set_stacked_factors(self.groups[gi], A_new, B_new)
+        self._set_stacked_factors(self.stacks[i], A_new, B_new)
+        return precond
 
-    def _adaptive_direction(self, gi, fr, dA, dB, tau):
+    def _adaptive_direction(self, i, fr, dA, dB, tau):
         beta1, beta2 = self.param_groups[0]["betas"]
         eps = self.param_groups[0]["eps"]
-        g = self.groups[gi]
-        m, n, r = self.pairs[g[0]].shape
-        st = self.state[self.pairs[g[0]].lora_A.weight]  # the group's state lives on its first pair
+        idx = self.stacks[i]
+        m, n, r = self.pairs[idx[0]].shape
+        st = self.state[self.pairs[idx[0]].lora_A.weight]  # the stack's state lives on its first pair
         if not st:
             st["step"] = 0
             st["mA"], st["mB"] = torch.zeros_like(dA), torch.zeros_like(dB)
-            st["VA"] = torch.zeros(len(g), r, r, dtype=torch.float64, device=dA.device)
-            st["VB"] = torch.zeros(len(g), r, r, dtype=torch.float64, device=dA.device)
+            st["VA"] = torch.zeros(len(idx), r, r, dtype=torch.float64, device=dA.device)
+            st["VB"] = torch.zeros(len(idx), r, r, dtype=torch.float64, device=dA.device)
         st["step"] += 1
         t = st["step"]
         st["mA"].mul_(beta1).add_(dA, alpha=1 - beta1)
@@ -336,7 +361,7 @@ class PRISM(torch.optim.Optimizer):
         PA, wA = precondition(VA, floor_A, eps, self.cond_max)
         PB, wB = precondition(VB, floor_B, eps, self.cond_max)
         bc1 = 1 - beta1**t
-        return (st["mA"] / bc1) @ PA.to(dA.dtype), (st["mB"] / bc1) @ PB.to(dB.dtype)
+        return (st["mA"] / bc1) @ PA.to(dA.dtype), (st["mB"] / bc1) @ PB.to(dB.dtype), (PA, wA, PB, wB)
 
     def _dense_step(self, grads: list[Tensor | None]) -> None:
         """Adam on the dense parameters (Euclidean geometry)."""

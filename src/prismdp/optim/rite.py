@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from ..lora import LoraPair
-from .adam import adam_direction, check_lr_betas, working_dtype
+from .adam import KeepStateDtypes, adam_direction, check_lr_betas, working_dtype
 
 __all__ = ["LoraRITE"]
 
@@ -46,7 +46,7 @@ def _sym(x: Tensor) -> Tensor:
     return 0.5 * (x + x.mT)
 
 
-class LoraRITE(torch.optim.Optimizer):
+class LoraRITE(KeepStateDtypes, torch.optim.Optimizer):
     """LoRA-RITE on PEFT pairs (``pair.lora_B.weight``, ``pair.lora_A.weight``), defaults as in the RITE paper."""
 
     def __init__(

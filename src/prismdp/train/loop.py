@@ -22,7 +22,6 @@ from ..atomic import atomic_path, write_json, write_text
 from ..data.collate import pad_collate
 from ..engine import DEFAULT_LR, make_private
 from ..export import export_adapter
-from ..lora import RankRStart
 from ..models import load_model
 from ..privacy import split_micro_batches
 from .config import ConfigError, TrainConfig
@@ -52,51 +51,8 @@ def _save_torch(path: Path, obj) -> None:
         torch.save(obj, tmp)
 
 
-def _trainable_state(model) -> dict:
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def _noise_generator(private):
-    return getattr(private.optimizer, "generator", None)
-
-
 def _checkpoint(private, step: int, cfg: TrainConfig) -> dict:
-    gen = _noise_generator(private)
-    return {
-        "step": step,
-        "config": cfg.to_dict(),
-        "trainable": _trainable_state(private.model),
-        "optimizer": private.optimizer.state_dict(),
-        "noise_generator": gen.get_state() if gen is not None else None,
-        "data_sampler": private.data_sampler.state_dict(),
-        "budget": private.budget.state_dict() if private.budget is not None else None,
-        "torch_rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,  # dropout on a GPU
-        "start": private.start.state_dict() if private.start is not None else None,
-    }
-
-
-def _restore(private, ckpt: dict) -> None:
-    if private.start is not None:
-        saved = RankRStart.from_state_dict(ckpt["start"])
-        for (a, b), (a2, b2) in zip(private.start.factors, saved.factors):
-            if not (torch.allclose(a, a2, atol=1e-6) and torch.allclose(b, b2, atol=1e-6)):
-                raise RuntimeError("the rank-r start recomputed on resume differs from the checkpoint's; was the "
-                                   "base model changed? Resume with the same --model.")
-    params = dict(private.model.named_parameters())
-    with torch.no_grad():
-        for name, value in ckpt["trainable"].items():
-            params[name].copy_(value)
-    private.optimizer.load_state_dict(ckpt["optimizer"])
-    gen = _noise_generator(private)
-    if gen is not None and ckpt["noise_generator"] is not None:
-        gen.set_state(ckpt["noise_generator"])
-    private.data_sampler.load_state_dict(ckpt["data_sampler"])
-    if private.budget is not None:
-        private.budget.load_state_dict(ckpt["budget"])
-    torch.set_rng_state(ckpt["torch_rng"])
-    if ckpt.get("cuda_rng") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(ckpt["cuda_rng"])
+    return {"step": step, "config": cfg.to_dict(), "private": private.state_dict()}
 
 
 def _check_resume(cfg: TrainConfig, ckpt: dict) -> None:
@@ -167,7 +123,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
 
     step = 0
     if ckpt is not None:
-        _restore(private, ckpt)
+        private.load_state_dict(ckpt["private"])
         step = ckpt["step"]
         kept = [ln for ln in metrics_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step] \
             if metrics_path.exists() else []
