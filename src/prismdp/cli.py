@@ -18,6 +18,15 @@ def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _mapping(text: str) -> dict:
+    import yaml
+
+    value = yaml.safe_load(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a YAML mapping such as '{{preset: reference}}', got {text!r}")
+    return value
+
+
 def _add_train(sub) -> None:
     p = sub.add_parser("train", help="DP fine-tune a model with LoRA", argument_default=argparse.SUPPRESS,
                        description="Flags override --config; unset keys take TrainConfig's defaults.")
@@ -26,6 +35,9 @@ def _add_train(sub) -> None:
     p.add_argument("--task", help="synthetic (built-in, default), instruct, glue8, or a GLUE task (sst2, cola, ...)")
     p.add_argument("--data", help="GLUE folder or LLM-Adapters JSON file")
     p.add_argument("--method", help="prism (default), dp-adamw, ...")
+    p.add_argument("--method-kwargs", dest="method_kwargs", type=_mapping,
+                   help="the method's own options as a YAML mapping, e.g. '{preset: reference}', "
+                        "'{floor_mode: geometry, debias: false}' (PRISM) or '{loraplus_ratio: 6}' (LoRA+)")
     p.add_argument("--no-dp", dest="dp", action="store_false", help="non-private run with the same method")
     p.add_argument("--epsilon", type=float, help="target epsilon (default 3)")
     p.add_argument("--delta", type=float, help="delta (default 1e-5)")

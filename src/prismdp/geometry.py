@@ -24,6 +24,7 @@ __all__ = [
     "tangent_project",
     "canonical_lift",
     "lift_with_frame",
+    "horizontal_lift",
     "tangent_norm_sq",
     "projected_grad_norm_sq",
     "projected_grad_norm_sq_balanced",
@@ -93,6 +94,26 @@ def canonical_lift(A: Tensor, B: Tensor, gA: Tensor, gB: Tensor) -> tuple[Tensor
     ``dA = gA N^-1 - 1/2 Pi_A gA N^-1``, ``dB = gB M^-1 - 1/2 Pi_B gB M^-1``.
     """
     return lift_with_frame(frame(A, B), gA, gB)
+
+
+def horizontal_lift(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, fr: Frame | None = None) -> tuple[Tensor, Tensor]:
+    """The horizontal (minimum-norm) lift of the tangent vector ``dA B^T + A dB^T`` (Prop. ``prop:min_norm_lift``).
+
+    Returns ``(dA + A W, dB - B W^T)``, the same ``dZ``, with the r x r ``W`` solving the Sylvester equation
+    ``M W + W N = dB^T B - A^T dA`` (``M = A^T A``, ``N = B^T B``), so that ``A^T dA' = dB'^T B``: the lift has no
+    component along the gauge orbit.  ``M`` and ``N`` come from the frame's triangular factors
+    (``M = R_A^T R_A``); the equation is solved in float64 through the eigendecompositions of ``M`` and ``N``
+    (both positive definite on the manifold).  O((m + n) r^2); batched over leading dimensions.
+    """
+    fr = frame(A, B) if fr is None else fr
+    RA, RB = fr.RA.double(), fr.RB.double()
+    M, N = RA.mT @ RA, RB.mT @ RB
+    rhs = (dB.mT.double() @ B.double()) - (A.mT.double() @ dA.double())
+    wm, Um = torch.linalg.eigh(M)
+    wn, Vn = torch.linalg.eigh(N)
+    W = Um @ ((Um.mT @ rhs @ Vn) / (wm.unsqueeze(-1) + wn.unsqueeze(-2))) @ Vn.mT
+    W = W.to(dA.dtype)
+    return dA + A @ W, dB - B @ W.mT
 
 
 def tangent_norm_sq(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor) -> Tensor:

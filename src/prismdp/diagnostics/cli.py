@@ -24,6 +24,15 @@ def _names(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _mapping(text: str) -> dict:
+    import yaml
+
+    value = yaml.safe_load(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a YAML mapping such as '{{preset: reference}}', got {text!r}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("which", choices=[*NAMES, "all"], help="the diagnostic to run (all = the five, one after another)")
     g = p.add_argument_group("run (as prismdp train; defaults: packaged MiniLM, built-in synthetic task)")
@@ -50,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--init", choices=["spectral", "random"], help="PRISM's rank-r start (default spectral)")
     g.add_argument("--baseline-start", dest="baseline_start", choices=["peft", "rank-r"],
                    help="DP-AdamW's start: PEFT's init (default) or PRISM's rank-r start")
+    g.add_argument("--prism-kwargs", dest="prism_kwargs", type=_mapping,
+                   help="PRISM's options as a YAML mapping, e.g. '{preset: reference}' or '{floor_mode: geometry}'")
     d = p.add_argument_group("diagnostics")
     d.add_argument("--gauges", type=_floats, help="gauge scales c (default 0.25,0.5,1,2,4)")
     d.add_argument("--epsilons", type=_floats, help="sigma-sweep epsilons (default 1.5,3,6,12)")

@@ -58,6 +58,7 @@ class Settings:
     synthetic_train: int = 2000
     init: str = "spectral"  # PRISM's rank-r start
     baseline_start: str = "peft"  # dp-adamw: PEFT's own init (lora_B = 0) or the same rank-r start as PRISM
+    prism_kwargs: dict = field(default_factory=dict)  # PRISM's options (preset, floor_mode, ...)
     gauges: list[float] = field(default_factory=lambda: [0.25, 0.5, 1.0, 2.0, 4.0])
     epsilons: list[float] = field(default_factory=lambda: [1.5, 3.0, 6.0, 12.0])
     burn_in: int = 10
@@ -182,7 +183,7 @@ class Run:
         private = make_private(self.model, method=method, lr=self.lr, dataset_size=session.dataset_size,
                                batch_size=s.batch_size, steps=steps, target_epsilon=epsilon, delta=s.delta,
                                max_grad_norm=s.max_grad_norm, accountant=s.accountant, seed=seed, init=s.init,
-                               start=start)
+                               start=start, **(s.prism_kwargs if method == "prism" else {}))
         self.private = private
         self.sigma = private.dp.noise_multiplier
         self.tau = private.dp.noise_std / private.dp.expected_batch_size

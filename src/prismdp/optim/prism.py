@@ -30,22 +30,10 @@ from .. import lora
 from ..lora import LoraPair, LoraSetupError, get_factors, set_factors
 from ..privacy.mechanism import GaussianMechanism, PerExample
 from .adam import KeepStateDtypes, adam_direction, check_lr_betas, working_dtype
+from .adaptive import AdaptiveOptions, adaptive_direction
 from .hooks import StepHooks, StepRecord
 
-__all__ = ["PRISM", "precondition"]
-
-
-def precondition(
-    V: Tensor, floor: Tensor | float, eps: float, cond_max: float | None
-) -> tuple[Tensor, Tensor]:
-    """``(V + floor I)^-1/2`` for a symmetric (r, r) ``V``, with eigenvalues clipped at 0 before the floor
-    and small eigenvalues raised to ``max / cond_max`` (a condition-number clamp).  Returns the matrix and
-    the clamped eigenvalues (for diagnostics)."""
-    w, Q = torch.linalg.eigh(0.5 * (V + V.mT))
-    w = w.clamp_min(0.0) + floor + eps
-    if cond_max is not None:
-        w = torch.maximum(w, w.amax(-1, keepdim=True) / cond_max)
-    return (Q * w.rsqrt().unsqueeze(-2)) @ Q.mT, w
+__all__ = ["PRISM"]
 
 
 class _TangentCoordinates:
@@ -87,9 +75,9 @@ class PRISM(KeepStateDtypes, torch.optim.Optimizer):
             norm, get Euclidean noise of the same sigma and an Adam step.
         mechanism: the Gaussian mechanism (clipping, noise, budget); ``None`` for the non-private optimizer.
         adaptive: rank-space Adam (Eqs. adam_moments-noise_floor); ``False`` gives plain Riemannian SGD.
-        floor_factor: multiplier of the DP-aware floors (Eq. noise_floor).
-        cond_max: condition-number clamp of the preconditioner (``None`` disables it).
-        debias_second_moment: subtract the known noise covariance from the second moments (Appendix A.26).
+        preset: the adaptive step's variant (:data:`prismdp.optim.adaptive.PRESETS`: ``paper``, ``reference``);
+            ``floor_mode``, ``floor_factor``, ``debias``, ``horizontal_lift`` and ``cond_max`` (``inf`` disables
+            the condition clamp) override single options of it (:class:`~prismdp.optim.adaptive.AdaptiveOptions`).
         stack_by_shape: process modules of equal shape as one stacked batch (``False``: one module at a time; the
             same math, for benchmarks).
         norms: per-example norms from r x r Gram matrices at the balanced factors (``"gram"``) or by triangular
@@ -106,9 +94,12 @@ class PRISM(KeepStateDtypes, torch.optim.Optimizer):
         dense_params: Iterable[nn.Parameter] = (),
         mechanism: GaussianMechanism | None = None,
         adaptive: bool = True,
-        floor_factor: float = 1.0,
-        cond_max: float | None = 1e4,
-        debias_second_moment: bool = True,
+        preset: str = "paper",
+        floor_mode: str | None = None,
+        floor_factor: float | None = None,
+        debias: bool | None = None,
+        horizontal_lift: str | None = None,
+        cond_max: float | None = None,
         stack_by_shape: bool = True,
         norms: str = "gram",
     ):
@@ -124,9 +115,8 @@ class PRISM(KeepStateDtypes, torch.optim.Optimizer):
         self.dense_params = dense_params
         self.mechanism = mechanism
         self.adaptive = adaptive
-        self.floor_factor = floor_factor
-        self.cond_max = cond_max
-        self.debias_second_moment = debias_second_moment
+        self.options = AdaptiveOptions.from_preset(preset, floor_mode=floor_mode, floor_factor=floor_factor,
+                                                   debias=debias, horizontal_lift=horizontal_lift, cond_max=cond_max)
         self._norm_sq = (geometry.projected_grad_norm_sq_balanced if norms == "gram"
                          else geometry.projected_grad_norm_sq)
         self.stacks = lora.stack_by_shape(self.pairs) if stack_by_shape else [[k] for k in range(len(self.pairs))]
@@ -315,53 +305,19 @@ class PRISM(KeepStateDtypes, torch.optim.Optimizer):
         """Adaptive direction from the (noisy) tangent update, then retraction and Procrustes alignment, for the
         stacked pairs of stack ``i``.  Returns the preconditioners ``(P_A, w_A, P_B, w_B)`` (None if not adaptive)."""
         fr, (A, B) = self._frames[i], self._factors[i]
-        lr = self.param_groups[0]["lr"]
+        group = self.param_groups[0]
+        if self.options.lift_before("moments"):
+            dA, dB = geometry.horizontal_lift(A, B, dA, dB, fr)
         precond = None
         if self.adaptive:
-            UA, UB, precond = self._adaptive_direction(i, fr, dA, dB, tau)
-        else:
-            UA, UB = dA, dB
-        A_new, B_new = geometry.retract(A, B, UA, UB, lr)
+            st = self.state[self.pairs[self.stacks[i][0]].lora_A.weight]  # the stack's state lives on its first pair
+            dA, dB, precond = adaptive_direction(st, fr, dA, dB, tau, group["betas"], group["eps"], self.options)
+        if self.options.lift_before("retraction"):
+            dA, dB = geometry.horizontal_lift(A, B, dA, dB, fr)
+        A_new, B_new = geometry.retract(A, B, dA, dB, group["lr"])
         A_new, B_new = geometry.procrustes_align(A_new, B_new, A, B)
         self._set_stacked_factors(self.stacks[i], A_new, B_new)
         return precond
-
-    def _adaptive_direction(self, i, fr, dA, dB, tau):
-        beta1, beta2 = self.param_groups[0]["betas"]
-        eps = self.param_groups[0]["eps"]
-        idx = self.stacks[i]
-        m, n, r = self.pairs[idx[0]].shape
-        st = self.state[self.pairs[idx[0]].lora_A.weight]  # the stack's state lives on its first pair
-        if not st:
-            st["step"] = 0
-            st["mA"], st["mB"] = torch.zeros_like(dA), torch.zeros_like(dB)
-            st["VA"] = torch.zeros(len(idx), r, r, dtype=torch.float64, device=dA.device)
-            st["VB"] = torch.zeros(len(idx), r, r, dtype=torch.float64, device=dA.device)
-        st["step"] += 1
-        t = st["step"]
-        st["mA"].mul_(beta1).add_(dA, alpha=1 - beta1)
-        st["mB"].mul_(beta1).add_(dB, alpha=1 - beta1)
-        dA64, dB64 = dA.double(), dB.double()
-        st["VA"].mul_(beta2).add_(dA64.mT @ dA64 / m, alpha=1 - beta2)
-        st["VB"].mul_(beta2).add_(dB64.mT @ dB64 / n, alpha=1 - beta2)
-        VA = st["VA"] / (1 - beta2**t)
-        VB = st["VB"] / (1 - beta2**t)
-        floor_A = floor_B = 0.0
-        if tau > 0:
-            eye = torch.eye(r, dtype=torch.float64, device=dA.device)
-            inv_RA = torch.linalg.solve_triangular(fr.RA.double(), eye, upper=True)
-            inv_RB = torch.linalg.solve_triangular(fr.RB.double(), eye, upper=True)
-            M_inv, N_inv = inv_RA @ inv_RA.mT, inv_RB @ inv_RB.mT
-            noise_A = tau**2 * (m - r) / m * N_inv  # E[Xi_A^T Xi_A / m] tau^2
-            noise_B = tau**2 * M_inv  # E[Xi_B^T Xi_B / n] tau^2
-            if self.debias_second_moment:
-                VA, VB = VA - noise_A, VB - noise_B
-            floor_A = self.floor_factor * noise_A.diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True) / r
-            floor_B = self.floor_factor * noise_B.diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True) / r
-        PA, wA = precondition(VA, floor_A, eps, self.cond_max)
-        PB, wB = precondition(VB, floor_B, eps, self.cond_max)
-        bc1 = 1 - beta1**t
-        return (st["mA"] / bc1) @ PA.to(dA.dtype), (st["mB"] / bc1) @ PB.to(dB.dtype), (PA, wA, PB, wB)
 
     def _dense_step(self, grads: list[Tensor | None]) -> None:
         """Adam on the dense parameters (Euclidean geometry)."""
