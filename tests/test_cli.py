@@ -145,3 +145,33 @@ def test_instruct_run_counts_truncation(tiny_llama_dir, tmp_path, shared_data):
     assert res.summary["privacy"]["steps"] == 2
     with pytest.raises(ConfigError, match="--data"):
         train(tiny_cfg(tiny_llama_dir, tmp_path / "j", task="instruct"), progress=False, log=lambda *a: None)
+
+
+def test_epsilon_is_shown_at_eight_steps_and_equals_the_accountant_there(tiny_bert_dir, tmp_path, monkeypatch):
+    """No accountant call on the step path: after calibration a 20-step run evaluates epsilon at its 8 report steps
+    only, and each shown value is Opacus' own PRV epsilon at that step."""
+    from opacus.accountants import PRVAccountant
+
+    import prismdp.privacy.accounting as accounting
+
+    calls = []
+    original = accounting._epsilon.__wrapped__
+
+    def counting(*args):
+        calls.append(args)
+        return original(*args)
+
+    monkeypatch.setattr(accounting, "_epsilon", accounting.lru_cache(maxsize=4096)(counting))
+    out = tmp_path / "run"
+    train(tiny_cfg(tiny_bert_dir, out, steps=20, batch_size=8), progress=False, log=lambda *a: None)
+    resolved = json.loads((out / "config.json").read_text())
+    sigma, q = resolved["noise_multiplier"], resolved["sample_rate"]
+    after_calibration = [c for c in calls if c[0] == sigma]  # calibration tries other sigmas first
+    assert len({c[2] for c in after_calibration}) <= 9  # the checked run length and the 8 report steps
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    shown = {r["step"]: r["epsilon"] for r in records if r["epsilon"] is not None}
+    assert set(shown) == {3, 5, 8, 10, 13, 15, 18, 20}
+    for step, eps in shown.items():
+        acc = PRVAccountant()
+        acc.history = [(sigma, q, step)]
+        assert eps == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)

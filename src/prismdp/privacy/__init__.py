@@ -1,6 +1,6 @@
 """Privacy plumbing: Poisson sampling, accounting, sigma calibration, budget tracking. Knows nothing of LoRA."""
 
-from .accounting import BudgetExhaustedError, PrivacyBudget, calibrate_sigma, epsilon
+from .accounting import BudgetExhaustedError, PrivacyBudget, calibrate_sigma, epsilon, report_steps
 from .sampling import PoissonSampler, split_micro_batches
 
 __all__ = [
@@ -9,5 +9,6 @@ __all__ = [
     "PrivacyBudget",
     "calibrate_sigma",
     "epsilon",
+    "report_steps",
     "split_micro_batches",
 ]

@@ -6,7 +6,9 @@ history as the single entry ``(sigma, q, steps)``, so composition costs one acco
 
 - :func:`epsilon` -- epsilon spent by ``steps`` steps at ``delta`` (memoised: PRV costs ~0.3 s per call).
 - :func:`calibrate_sigma` -- the smallest sigma whose epsilon stays at or below a target, for the exact ``steps``.
-- :class:`PrivacyBudget` -- budget tracking during training; refuses a step *before* it would overspend.
+- :class:`PrivacyBudget` -- budget tracking during training; refuses a step *before* it would overspend.  Its
+  per-step check costs no accountant call (epsilon grows with the steps, so a verified step count covers every
+  smaller one); show the spent epsilon at a few :func:`report_steps` only (an accountant call each).
 
 Opacus' PRV accountant returns an upper bound: its estimate plus ``eps_error`` (0.01 by default, kept here), so
 PRV epsilons never fall below ~0.01. RDP uses Opacus' default orders (up to 63), which floors epsilon near 0.1 at
@@ -29,6 +31,7 @@ __all__ = [
     "PrivacyBudget",
     "calibrate_sigma",
     "epsilon",
+    "report_steps",
 ]
 
 ACCOUNTANTS = {"prv": PRVAccountant, "rdp": RDPAccountant}
@@ -168,6 +171,13 @@ def calibrate_sigma(
 # ----------------------------------------------------------------------------------------------- budget
 
 
+def report_steps(total: int, points: int = 8) -> set[int]:
+    """The steps at which a run of ``total`` steps shows its spent epsilon: ``points`` evenly spaced ones, the last
+    included (each costs one accountant call: ~50-150 ms for PRV on a CPU, so 8 stay under a second)."""
+    total = _check_steps("total", total)
+    return {math.ceil(total * i / points) for i in range(1, points + 1)} - {0}
+
+
 @lru_cache(maxsize=256)
 def _max_steps(sigma: float, sample_rate: float, delta: float, accountant: str, target: float) -> int:
     """Largest T <= MAX_STEPS with epsilon(T) <= target; epsilon grows with T."""
@@ -210,6 +220,7 @@ class PrivacyBudget:
         self.target_epsilon = None if target_epsilon is None else _check_positive("target_epsilon", target_epsilon)
         self.accountant = _check_accountant(accountant)
         self.steps_taken = _check_steps("steps_taken", steps_taken)
+        self._verified = 0  # every step count up to this one is known to stay within the target
 
     def _epsilon_at(self, steps: int) -> float:
         return _epsilon(self.noise_multiplier, self.sample_rate, steps, self.delta, self.accountant)
@@ -234,10 +245,21 @@ class PrivacyBudget:
         return _max_steps(self.noise_multiplier, self.sample_rate, self.delta, self.accountant, self.target_epsilon)
 
     def check_step(self, n: int = 1) -> None:
-        """Raise :class:`BudgetExhaustedError` if ``n`` more steps would exceed the target. Records nothing."""
+        """Raise :class:`BudgetExhaustedError` if ``n`` more steps would exceed the target. Records nothing.
+
+        One accountant call (memoised) the first time a step count beyond the verified one is checked, none after:
+        checking a whole run up front (``check_step(steps)``, as ``make_private`` does) makes every later per-step
+        check free.
+        """
         n = _check_steps("n", n)
+        total = self.steps_taken + n
+        if self.target_epsilon is None or total <= self._verified:
+            return
+        if self._epsilon_at(total) <= self.target_epsilon:
+            self._verified = total
+            return
         allowed = self.steps_allowed
-        if allowed is not None and self.steps_taken + n > allowed:
+        if total > allowed:
             raise BudgetExhaustedError(
                 f"privacy budget exhausted: {n} more step(s) would raise epsilon from {self.epsilon:.4f} "
                 f"(after {self.steps_taken} steps) to {self._epsilon_at(self.steps_taken + n):.4f}, above the "

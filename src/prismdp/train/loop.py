@@ -23,7 +23,7 @@ from ..data.collate import pad_collate
 from ..engine import DEFAULT_LR, make_private
 from ..export import export_adapter
 from ..models import load_model
-from ..privacy import split_micro_batches
+from ..privacy import report_steps, split_micro_batches
 from .config import ConfigError, TrainConfig
 from .profile import PeakMemory, run_step_times
 from .tasks import (build_task_data, default_targets, evaluate_classification, lora_exclude_modules, model_inputs,
@@ -133,6 +133,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
     pad_id = tokenizer.pad_token_id
     model.train()
     bar = _progress(cfg.steps, step, progress)
+    shown = report_steps(cfg.steps)  # epsilon costs an accountant call: shown at 8 steps, not every step
+    eps_shown = "-"
     peak = PeakMemory(device).start()  # the training steps' peak (loading and evaluation excluded)
     with open(metrics_path, "a") as metrics:
         for batch in private.batches():
@@ -149,7 +151,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
             record = {
                 "step": step,
                 "loss": loss_sum / n if n else None,
-                "epsilon": private.epsilon if private.private else None,
+                "epsilon": private.epsilon if private.private and step in shown else None,
                 "clip_fraction": stats.get("clip_fraction"),
                 "clip_coef_mean": stats.get("clip_coef_mean"),
                 "nonfinite": stats.get("nonfinite"),
@@ -159,8 +161,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
             }
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
-            bar.set_postfix(loss=f"{record['loss']:.4f}" if n else "-",
-                            eps=f"{record['epsilon']:.2f}" if record["epsilon"] is not None else "-",
+            if record["epsilon"] is not None:
+                eps_shown = f"{record['epsilon']:.2f}@{step}"
+            bar.set_postfix(loss=f"{record['loss']:.4f}" if n else "-", eps=eps_shown,
                             clip=f"{record['clip_fraction']:.2f}" if record["clip_fraction"] is not None else "-",
                             s=f"{record['step_time_s']:.2f}")
             bar.update(1)
