@@ -175,3 +175,20 @@ def test_epsilon_is_shown_at_eight_steps_and_equals_the_accountant_there(tiny_be
         acc = PRVAccountant()
         acc.history = [(sigma, q, step)]
         assert eps == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
+
+
+def test_every_config_field_is_a_train_flag():
+    import argparse
+    import dataclasses
+
+    from prismdp.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    dests = {a.dest for a in sub._actions}
+    assert {f.name for f in dataclasses.fields(TrainConfig)} <= dests
+    args = parser.parse_args(["train", "--no-dp", "--method-kwargs", "{preset: reference}", "--target-modules",
+                              "q,v", "--holdout-val", "100", "--no-group-by-length", "--accountant", "rdp"])
+    assert args.dp is False and args.method_kwargs == {"preset": "reference"} and args.target_modules == ["q", "v"]
+    assert args.holdout_val == 100 and args.group_by_length is False and args.accountant == "rdp"
+    assert "lr" not in vars(args)  # unset flags stay unset (the config file / defaults fill them)

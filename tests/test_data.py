@@ -584,3 +584,36 @@ def test_instruct_features_collate(lm_tokenizer):
     short = lens.index(min(lens))
     assert b["labels"][short, min(lens):].eq(-100).all() and b["attention_mask"][short, min(lens):].eq(0).all()
     assert b["attention_mask"].sum().item() == sum(lens)
+
+
+def test_carve_is_disjoint_seed_fixed_and_keeps_order():
+    from prismdp.data.splits import carve, seeded_subset
+
+    items = list(range(100))
+    rest, held = carve(items, [("test", 20), ("val", 10)])
+    assert len(held["test"]) == 20 and len(held["val"]) == 10 and len(rest) == 70
+    assert sorted(rest + held["test"] + held["val"]) == items  # a partition
+    assert all(part == sorted(part) for part in (rest, held["test"], held["val"]))
+    assert carve(items, [("test", 20), ("val", 10)]) == (rest, held)  # fixed seed: the same for every run
+    assert carve(items, [("test", 20)], seed=1)[1]["test"] != held["test"]
+    with pytest.raises(ValueError, match="leave nothing"):
+        carve(items, [("val", 100)])
+    assert seeded_subset(items, 5, 0) == sorted(seeded_subset(items, 5, 0)) and seeded_subset(items, None, 0) == items
+
+
+def test_holdout_splits_reach_the_trainer(tmp_path):
+    from test_glue8 import make_fake_glue
+
+    from prismdp.train.config import TrainConfig
+    from prismdp.train.tasks import build_task_data
+    from prismdp.models import load_model
+
+    root = make_fake_glue(tmp_path, n_train=60, n_dev=12)
+    tok = load_model(None, "seq_cls", 2)[1]
+    data = build_task_data(TrainConfig(task="sst2", data=str(root), holdout_val=10, holdout_test=15), tok)
+    assert set(data.eval_sets) == {"val", "test"}  # holdout_test replaces the official dev set
+    assert len(data.train) == 35 and len(data.eval_sets["val"]) == 10 and len(data.eval_sets["test"]) == 15
+    data = build_task_data(TrainConfig(task="sst2", data=str(root), holdout_val=10, seed=1), tok)
+    assert set(data.eval_sets) == {"val", "validation"} and len(data.train) == 50
+    with pytest.raises(ValueError, match="eval_splits"):
+        build_task_data(TrainConfig(task="sst2", data=str(root), eval_splits=["validation_matched"]), tok)

@@ -87,10 +87,8 @@ def session(tiny_bert_dir):
 @pytest.mark.parametrize("method", ["prism", "dp-adamw"])
 def test_probe_measures_without_changing_the_step(session, method):
     """A probed run ends exactly where an unprobed one (private.step()) does: the measured noise is the noise used."""
-    from prismdp.data.collate import pad_collate
     from prismdp.lora import get_factors
-    from prismdp.privacy import split_micro_batches
-    from prismdp.train.tasks import model_inputs
+    from prismdp.train.step import backward_batch
 
     probed = session.run(method, 3, 3, gauge=2.0)
     recs = probed.run_all()
@@ -99,9 +97,7 @@ def test_probe_measures_without_changing_the_step(session, method):
     torch.manual_seed(3)
     data, pad_id = session.data, session.tokenizer.pad_token_id
     for batch in plain.private.batches():
-        for micro in split_micro_batches(batch, 32):
-            feats = pad_collate([data.train[i] for i in micro.tolist()], pad_id)
-            plain.private.backward(data.loss(plain.model(**model_inputs(feats)).logits, feats["labels"]))
+        backward_batch(plain.private, plain.model, data.train, data.loss, batch, 32, pad_id)
         plain.private.step()
     for p1, p2 in zip(probed.private.pairs, plain.private.pairs):
         for x, y in zip(get_factors(p1), get_factors(p2)):

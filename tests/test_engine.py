@@ -179,3 +179,27 @@ def test_step_hooks_see_each_step_and_can_be_removed():
     rec = seen[0]
     assert rec.stacks == private.optimizer.stacks and len(rec.preconditioners) == len(rec.stacks)
     assert len(rec.release.values) == len(rec.release.noise) == 2 * len(rec.stacks) + len(private.grad_sampler.dense_params)
+
+
+def test_grouping_a_logical_batch_by_length_leaves_the_clipped_sums_unchanged():
+    """The micro-batches of a length-ordered logical batch pad less; the mechanism's clipped sums (per-example
+    gradients, summed) are the same up to float summation order."""
+    from helpers import padded_batch, tiny_bert_cls
+
+    from prismdp.train.step import backward_batch, micro_batches
+
+    ids, mask = padded_batch([3, 17, 5, 12, 4, 16, 2, 9], seed=2)
+    examples = [{"input_ids": ids[i, : int(mask[i].sum())].tolist(), "labels": torch.tensor(i % 2)}
+                for i in range(8)]
+    assert [len(examples[i]["input_ids"]) for mb in micro_batches(range(8), examples, 4) for i in mb] == \
+        [2, 3, 4, 5, 9, 12, 16, 17]
+    sums = []
+    for grouped in (False, True):
+        model = tiny_bert_cls()
+        private = make_private(model, method="prism", lr=1e-2, dataset_size=8, batch_size=8, steps=1,
+                               noise_multiplier=0.0 + 1e-9, max_grad_norm=0.05, seed=0)
+        backward_batch(private, model, examples, classification_losses, range(8), 4, 0, group_by_length=grouped)
+        sums.append([s.clone() for s in private.mechanism.sums])
+        assert private.mechanism.clip.stats()["clip_fraction"] > 0  # clipping is active
+    for a, b in zip(*sums):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -7,9 +7,9 @@ import pytest
 
 from prismdp.data import generate_prompt, load_glue, load_instruct_json
 from prismdp.data.glue8 import (GLUE8_TASKS, INSTRUCTIONS, build_glue8, format_output, glue8_examples, glue8_records,
-                                main as glue8_main, seeded_subset, to_instruct_record, write_glue8_json)
+                                main as glue8_main, to_instruct_record, write_glue8_json)
 from prismdp.eval.answers import GLUE_LABELS, parse_glue_label
-from prismdp.train.tasks import _subset
+from prismdp.data.splits import seeded_subset
 
 
 def make_fake_glue(root, n_train=30, n_dev=12, qqp_dev=False):
@@ -70,7 +70,7 @@ def test_seeded_determinism_and_same_rule_as_the_trainer(fake_glue):
     sst2 = [it.example for it in a if it.task == "sst2"]
     assert glue8_examples(fake_glue, per_task=10, seed=7, tasks=["sst2"])["sst2"] == sst2
     full = load_glue("sst2", "train", fake_glue)
-    assert sst2 == _subset(full, 10, 7) == seeded_subset(full, 10, 7)
+    assert sst2 == seeded_subset(full, 10, 7)  # the trainer's train_examples rule (one function)
     assert len(set(sst2)) == 10 and all(ex in full for ex in sst2)
 
 

@@ -27,50 +27,36 @@ def _mapping(text: str) -> dict:
     return value
 
 
+def add_config_flags(parser, cls) -> None:
+    """One flag per field of the dataclass ``cls`` (``--field-name``; help, choices and the flag's spelling from the
+    field's metadata): lists are comma-separated, mappings YAML, booleans switches.  Unset flags stay unset
+    (``argparse.SUPPRESS``), so a config file and the dataclass defaults fill them."""
+    import dataclasses
+
+    for f in dataclasses.fields(cls):
+        meta, kind = f.metadata, str(f.type)
+        flag = meta.get("flag") or "--" + f.name.replace("_", "-")
+        kw = {"dest": f.name, "help": meta.get("help")}
+        if kind == "bool":
+            kw["action"] = "store_false" if f.default else "store_true"
+        elif kind.startswith("list"):
+            kw["type"] = _csv
+        elif kind.startswith("dict"):
+            kw["type"] = _mapping
+        else:
+            kw["type"] = int if kind.startswith("int") else float if kind.startswith("float") else str
+            if meta.get("choices"):
+                kw["choices"] = list(meta["choices"])
+        parser.add_argument(flag, **kw)
+
+
 def _add_train(sub) -> None:
+    from .train.config import TrainConfig
+
     p = sub.add_parser("train", help="DP fine-tune a model with LoRA", argument_default=argparse.SUPPRESS,
                        description="Flags override --config; unset keys take TrainConfig's defaults.")
     p.add_argument("--config", help="YAML or JSON file with the same keys as the flags")
-    p.add_argument("--model", help="local folder, hub id or .gguf file (default: packaged MiniLM / SmolLM2)")
-    p.add_argument("--task", help="synthetic (built-in, default), instruct, glue8, or a GLUE task (sst2, cola, ...)")
-    p.add_argument("--data", help="GLUE folder or LLM-Adapters JSON file")
-    p.add_argument("--method", help="prism (default), dp-adamw, ...")
-    p.add_argument("--method-kwargs", dest="method_kwargs", type=_mapping,
-                   help="the method's own options as a YAML mapping, e.g. '{preset: reference}', "
-                        "'{floor_mode: geometry, debias: false}' (PRISM) or '{loraplus_ratio: 6}' (LoRA+)")
-    p.add_argument("--no-dp", dest="dp", action="store_false", help="non-private run with the same method")
-    p.add_argument("--epsilon", type=float, help="target epsilon (default 3)")
-    p.add_argument("--delta", type=float, help="delta (default 1e-5)")
-    p.add_argument("--accountant", choices=["prv", "rdp"])
-    p.add_argument("--steps", type=int)
-    p.add_argument("--batch-size", dest="batch_size", type=float, help="expected logical batch size")
-    p.add_argument("--micro-batch-size", dest="micro_batch_size", type=int)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--head-lr", dest="head_lr", type=float,
-                   help="learning rate of the trainable non-LoRA parameters (an encoder's new head; default --lr)")
-    p.add_argument("--device", help="auto (default: cuda if available, else cpu), cpu, cuda, cuda:N or mps")
-    p.add_argument("--pooling", choices=["model", "mean"],
-                   help="encoder tasks: the checkpoint's own head (model, default) or a new head on the masked mean "
-                        "of the last hidden states (mean: what sentence encoders such as all-MiniLM-L6-v2 were trained for)")
-    p.add_argument("--rank", type=int)
-    p.add_argument("--alpha", type=float)
-    p.add_argument("--dropout", type=float)
-    p.add_argument("--target-modules", dest="target_modules", type=_csv, help="comma-separated module names")
-    p.add_argument("--max-grad-norm", dest="max_grad_norm", type=float)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--max-length", dest="max_length", type=int)
-    p.add_argument("--train-on-inputs", dest="train_on_inputs", action="store_true")
-    p.add_argument("--init", choices=["spectral", "random"], help="PRISM's rank-r start")
-    p.add_argument("--train-examples", dest="train_examples", type=int, help="seeded subset of the training set")
-    p.add_argument("--eval-examples", dest="eval_examples", type=int)
-    p.add_argument("--eval-tasks", dest="eval_tasks", type=_csv,
-                   help="causal-LM tasks: generation eval sets, e.g. math (gsm8k,aqua,mawps,svamp) or glue8 / cola,...")
-    p.add_argument("--eval-data", dest="eval_data", help="folder of the eval sets (default: next to --data)")
-    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, help="generation length (8 GLUE, 256 math)")
-    p.add_argument("--aqua-rule", dest="aqua_rule", choices=["first", "last", "prism"],
-                   help="AQuA letter rule (default first = upstream LLM-Adapters)")
-    p.add_argument("--checkpoint-every", dest="checkpoint_every", type=int)
-    p.add_argument("--output", help="run folder (default runs/prismdp)")
+    add_config_flags(p, TrainConfig)
     p.add_argument("--resume", action="store_true", help="continue the run in --output from its checkpoint")
     p.add_argument("--stop-after", dest="stop_after", type=int, help=argparse.SUPPRESS)  # simulate an interruption
     p.add_argument("--quiet", action="store_true", help="no progress bar")

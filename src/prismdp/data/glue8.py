@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Sequence, Union
@@ -43,6 +42,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Union
 from ..atomic import write_json
 from ..eval.answers import GLUE_LABELS
 from .example import Example
+from .splits import seeded_subset
 from .glue import glue_task, load_glue
 
 __all__ = [
@@ -51,7 +51,6 @@ __all__ = [
     "INSTRUCTIONS",
     "INPUT_FIELDS",
     "Glue8Item",
-    "seeded_subset",
     "format_input",
     "format_output",
     "to_instruct_record",
@@ -112,17 +111,6 @@ def _task_name(task: str) -> str:
     if name not in GLUE8_TASKS:  # pragma: no cover - GLUE_TASKS == GLUE8_TASKS today
         raise ValueError(f"{task!r} is not a GLUE8 task ({', '.join(GLUE8_TASKS)})")
     return name
-
-
-def seeded_subset(items: Sequence, n: Optional[int], seed: int) -> list:
-    """``n`` items at ``sorted(random.Random(seed).sample(range(len(items)), n))`` (all of them if ``n`` is None
-    or ``>= len(items)``); identical to the trainer's ``train_examples`` rule."""
-    if n is None or n >= len(items):
-        return list(items)
-    if n < 1:
-        raise ValueError(f"per-task count must be >= 1, got {n}")
-    idx = sorted(random.Random(seed).sample(range(len(items)), n))
-    return [items[i] for i in idx]
 
 
 def format_input(task: str, example: Example) -> str:

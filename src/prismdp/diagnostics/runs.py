@@ -17,13 +17,13 @@ from typing import Callable, Iterator
 import torch
 from peft import LoraConfig, get_peft_model
 
-from ..data.collate import pad_collate
 from ..engine import DEFAULT_LR, make_private
 from ..lora import find_lora_pairs, get_factors, move_to_rank_r_start, set_factors
 from ..models import load_model
-from ..privacy import calibrate_sigma, split_micro_batches
+from ..privacy import calibrate_sigma
 from ..train.config import TrainConfig
-from ..train.tasks import build_task_data, default_targets, model_inputs, task_head
+from ..train.step import backward_batch
+from ..train.tasks import build_task_data, default_targets, task_head
 from . import measures
 from .probe import StepMeasure, make_probe
 
@@ -196,9 +196,7 @@ class Run:
         self.model.train()
         torch.manual_seed(self.seed)  # dropout masks: the same for every gauge of a seed
         for batch in private.batches():
-            for micro in split_micro_batches(batch, mbs):
-                feats = pad_collate([data.train[i] for i in micro.tolist()], pad_id)
-                private.backward(data.loss(self.model(**model_inputs(feats)).logits, feats["labels"]))
+            backward_batch(private, self.model, data.train, data.loss, batch, mbs, pad_id)
             yield self.probe.step()
 
     def run_all(self, progress: bool = False, label: str = "") -> list[StepMeasure]:

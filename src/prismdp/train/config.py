@@ -28,47 +28,73 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the key and the fix."""
 
 
+def _opt(default, help: str, *, flag: str | None = None, choices: tuple | None = None, factory=None):
+    """A TrainConfig field with its command-line help (``prismdp train`` flags are generated from the fields)."""
+    meta = {"help": help, "flag": flag, "choices": choices}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class TrainConfig:
-    model: str | None = None  # local folder, hub id or .gguf file; None = the packaged default for the task
-    task: str = "synthetic"  # synthetic (built-in), instruct (LLM-Adapters JSON), glue8 (mixture) or a GLUE task
-    data: str | None = None  # GLUE folder / LLM-Adapters JSON file; None = built-in (synthetic) or hub (GLUE)
-    method: str = "prism"
-    dp: bool = True
-    epsilon: float = 3.0
-    delta: float = 1e-5
-    accountant: str = "prv"
-    steps: int | None = None  # None = FAMILY_DEFAULTS (paper: 500 GLUE / 300 Math; demo: 100)
-    batch_size: float | None = None  # expected logical batch (Poisson rate q = batch_size / dataset size)
-    micro_batch_size: int = 8
-    lr: float | None = None  # None = the method's default for the task family
-    head_lr: float | None = None  # lr of the trainable non-LoRA parameters (an encoder's new head); None = lr
-    device: str = "auto"  # "auto" = cuda if available, else cpu; or any torch device string ("cuda:1", "cpu", "mps")
-    pooling: str = "model"  # encoder tasks: "model" = the checkpoint's own head, "mean" = masked-mean-pooling head
-    rank: int | None = None
-    alpha: float | None = None
-    dropout: float = 0.05
-    target_modules: list[str] | None = None  # None = q/k/v(/up/down) for the model family
-    max_grad_norm: float = 1.0
-    seed: int = 42
-    max_length: int = 128
-    train_on_inputs: bool = False
-    init: str = "spectral"
-    train_examples: int | None = None  # take a seeded subset of this many training examples
-    eval_examples: int | None = None  # evaluate on the first this-many evaluation examples
-    synthetic_train: int = 8000
-    synthetic_test: int = 500
-    eval_batch_size: int = 64
-    checkpoint_every: int = 50
-    output: str = "runs/prismdp"
-    method_kwargs: dict[str, Any] = field(default_factory=dict)
+    """One training run.  Every field is a ``prismdp train`` flag (``--field-name``) and a config-file key."""
+
+    model: str | None = _opt(None, "local folder, hub id or .gguf file (default: packaged MiniLM / SmolLM2)")
+    task: str = _opt("synthetic", "synthetic (built-in, default), instruct, glue8, or a GLUE task (sst2, cola, ...)")
+    data: str | None = _opt(None, "GLUE folder or LLM-Adapters JSON file (default: built-in task / Hub)")
+    method: str = _opt("prism", "prism (default), dp-adamw, ffa, lora-plus, lamb, lora-rite")
+    method_kwargs: dict[str, Any] = _opt(None, "the method's own options as a YAML mapping, e.g. '{preset: "
+                                         "reference}', '{floor_mode: geometry, debias: false}' (PRISM) or "
+                                         "'{loraplus_ratio: 6}' (LoRA+)", factory=dict)
+    dp: bool = _opt(True, "non-private run with the same method", flag="--no-dp")
+    epsilon: float = _opt(3.0, "target epsilon (default 3)")
+    delta: float = _opt(1e-5, "delta (default 1e-5)")
+    accountant: str = _opt("prv", "privacy accountant", choices=("prv", "rdp"))
+    steps: int | None = _opt(None, "logical steps (default per task family: 500 GLUE, 300 Math, 100 demo)")
+    batch_size: float | None = _opt(None, "expected logical batch size (Poisson rate q = batch_size / dataset size)")
+    micro_batch_size: int = _opt(8, "examples per forward/backward pass (default 8)")
+    group_by_length: bool = _opt(True, "do not order each logical batch by length before splitting it into "
+                                       "micro-batches (ordering saves padding and changes nothing in the mechanism)",
+                                 flag="--no-group-by-length")
+    lr: float | None = _opt(None, "learning rate (default: the method's rate for the task family)")
+    head_lr: float | None = _opt(None, "learning rate of the trainable non-LoRA parameters (an encoder's new head; "
+                                       "default --lr)")
+    device: str = _opt("auto", "auto (default: cuda if available, else cpu), cpu, cuda, cuda:N or mps")
+    pooling: str = _opt("model", "encoder tasks: the checkpoint's own head (model, default) or a new head on the "
+                                 "masked mean of the last hidden states (mean: what sentence encoders such as "
+                                 "all-MiniLM-L6-v2 were trained for)", choices=("model", "mean"))
+    rank: int | None = _opt(None, "LoRA rank r (default per task family: 16 GLUE/Math, 4 demo)")
+    alpha: float | None = _opt(None, "LoRA alpha (default 16)")
+    dropout: float = _opt(0.05, "LoRA dropout (default 0.05)")
+    target_modules: list[str] | None = _opt(None, "comma-separated module names (default: q/k/v(/up/down) for the "
+                                                  "model family)")
+    max_grad_norm: float = _opt(1.0, "clipping bound C (default 1)")
+    seed: int = _opt(42, "seed of the run (sampling, noise, start; default 42)")
+    max_length: int = _opt(128, "tokens per example (default 128)")
+    train_on_inputs: bool = _opt(False, "causal LM tasks: train on the prompt tokens too")
+    init: str = _opt("spectral", "PRISM's rank-r start", choices=("spectral", "random"))
+    train_examples: int | None = _opt(None, "seeded subset of the training set")
+    holdout_val: int | None = _opt(None, "GLUE: carve this many training examples out as eval set 'val' (for "
+                                         "tuning; the same examples for every seed)")
+    holdout_test: int | None = _opt(None, "GLUE: carve this many out as eval set 'test', replacing the official "
+                                          "dev set (for tasks without a labelled dev set here, e.g. QQP)")
+    eval_splits: list[str] | None = _opt(None, "GLUE validation splits to evaluate (default all; MNLI: "
+                                               "validation_matched,validation_mismatched)")
+    eval_examples: int | None = _opt(None, "evaluate on the first this-many examples of each eval set")
+    synthetic_train: int = _opt(8000, "built-in task: training examples")
+    synthetic_test: int = _opt(500, "built-in task: test examples")
+    eval_batch_size: int = _opt(64, "evaluation batch size")
+    checkpoint_every: int = _opt(50, "steps between checkpoints")
+    output: str = _opt("runs/prismdp", "run folder (default runs/prismdp)")
     # generation-based evaluation of causal-LM tasks (instruct, glue8); see prismdp.eval.generation
-    eval_tasks: list[str] | None = None  # gsm8k,aqua,mawps,svamp,cola,...,rte or the groups math / glue8;
-    #                                      None = glue8's eight tasks for task glue8, nothing for instruct
-    eval_data: str | None = None  # folder of the test files; None = data (glue8) / the folder of data (instruct)
-    max_new_tokens: int | None = None  # None = 8 for GLUE labels, 256 for math (LLM-Adapters)
-    aqua_rule: str = "first"  # AQuA letter rule: first (upstream LLM-Adapters), last, prism
-    glue8_per_task: int = 1250  # task glue8: training examples per GLUE task (the paper's 1,250)
+    eval_tasks: list[str] | None = _opt(None, "causal-LM tasks: generation eval sets, e.g. math (gsm8k,aqua,mawps,"
+                                              "svamp) or glue8 / cola,... (default: glue8's eight for glue8)")
+    eval_data: str | None = _opt(None, "folder of the eval sets (default: next to --data)")
+    max_new_tokens: int | None = _opt(None, "generation length (default 8 GLUE, 256 math)")
+    aqua_rule: str = _opt("first", "AQuA letter rule (default first = upstream LLM-Adapters)",
+                          choices=("first", "last", "prism"))
+    glue8_per_task: int = _opt(1250, "task glue8: training examples per GLUE task (the paper's 1,250)")
 
     def __post_init__(self):
         def bad(key, msg):
@@ -121,7 +147,7 @@ class TrainConfig:
                            f"(use pooling: model)")
         if self.init not in ("spectral", "random"):
             bad("init", f"must be 'spectral' or 'random', got {self.init!r}")
-        for key in ("train_examples", "eval_examples", "max_new_tokens"):
+        for key in ("train_examples", "eval_examples", "max_new_tokens", "holdout_val", "holdout_test"):
             v = getattr(self, key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 bad(key, f"must be a positive integer or null, got {v!r}")
@@ -140,6 +166,10 @@ class TrainConfig:
                 self.eval_tasks = expand_eval_tasks(self.eval_tasks)
             except ValueError as e:
                 bad("eval_tasks", str(e))
+        if isinstance(self.eval_splits, str):
+            self.eval_splits = [t.strip() for t in self.eval_splits.split(",") if t.strip()]
+        if (self.holdout_val or self.holdout_test or self.eval_splits) and (self.task not in GLUE_TASKS):
+            bad("holdout_val", f"holdout_val, holdout_test and eval_splits apply to GLUE tasks, not {self.task!r}")
         if isinstance(self.target_modules, str):
             self.target_modules = [t.strip() for t in self.target_modules.split(",") if t.strip()]
         if self.target_modules is not None and not self.target_modules:

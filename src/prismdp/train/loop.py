@@ -19,14 +19,14 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from ..atomic import atomic_path, write_json, write_text
-from ..data.collate import pad_collate
 from ..engine import DEFAULT_LR, make_private
 from ..export import export_adapter
 from ..models import load_model
-from ..privacy import report_steps, split_micro_batches
+from ..privacy import report_steps
 from .config import ConfigError, TrainConfig
 from .profile import PeakMemory, run_step_times
-from .tasks import (build_task_data, default_targets, evaluate_classification, lora_exclude_modules, model_inputs,
+from .step import backward_batch
+from .tasks import (build_task_data, default_targets, evaluate_classification, lora_exclude_modules,
                     task_head)
 
 __all__ = ["train", "TrainResult", "RunExistsError"]
@@ -139,13 +139,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
     with open(metrics_path, "a") as metrics:
         for batch in private.batches():
             t0 = time.perf_counter()
-            loss_sum, n = 0.0, 0
-            for micro in split_micro_batches(batch, cfg.micro_batch_size):
-                feats = pad_collate([data.train[i] for i in micro.tolist()], pad_id)
-                losses = data.loss(model(**model_inputs(feats, device)).logits, feats["labels"].to(device))
-                private.backward(losses)
-                loss_sum += float(losses.detach().sum())
-                n += losses.numel()
+            loss_sum, n = backward_batch(private, model, data.train, data.loss, batch, cfg.micro_batch_size, pad_id,
+                                         device, cfg.group_by_length)
             stats = private.step()
             step += 1
             record = {

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -12,12 +11,14 @@ from torch import Tensor, nn
 
 from ..data import build_instruct_dataset, encode_classification, load_glue, load_instruct_json, make_synthetic_task
 from ..data.collate import pad_collate
+from ..data.splits import carve, seeded_subset
 from ..eval.metrics import glue_metrics, main_score
 from ..losses import causal_lm_losses, classification_losses
+from .step import model_inputs
 from .config import ConfigError, TrainConfig
 
 __all__ = ["TaskData", "task_head", "build_task_data", "evaluate_classification", "DEFAULT_TARGETS", "default_targets",
-           "lora_exclude_modules"]
+           "lora_exclude_modules", "model_inputs"]
 
 # LoRA targets per model family when --target-modules is not given (the paper's q, k, v, up, down for decoders)
 DEFAULT_TARGETS = {
@@ -81,13 +82,6 @@ def task_head(cfg: TrainConfig) -> tuple[str, int | None]:
     return "seq_cls", glue_task(cfg.task).num_labels
 
 
-def _subset(items: list, n: int | None, seed: int) -> list:
-    if n is None or n >= len(items):
-        return items
-    idx = sorted(random.Random(seed).sample(range(len(items)), n))
-    return [items[i] for i in idx]
-
-
 def _generation_evals(cfg: TrainConfig) -> tuple[list, dict]:
     """Test sets of a causal-LM task (``eval_tasks``; glue8 defaults to its eight GLUE tasks)."""
     from ..eval.generation import resolve_eval_sets
@@ -107,13 +101,13 @@ def build_task_data(cfg: TrainConfig, tokenizer) -> TaskData:
             from ..data.glue8 import build_glue8, glue8_records
 
             items = build_glue8(cfg.data, cfg.glue8_per_task, cfg.seed)
-            records = _subset(glue8_records(items), cfg.train_examples, cfg.seed)
+            records = seeded_subset(glue8_records(items), cfg.train_examples, cfg.seed)
             extra = {f"glue8_{t}": sum(it.task == t for it in items) for t in dict.fromkeys(it.task for it in items)}
         else:
             if cfg.data is None:
                 raise ConfigError("data: --task instruct needs --data PATH to an LLM-Adapters JSON file "
                                   "(records with instruction, input, output), e.g. math_10k.json")
-            records = _subset(load_instruct_json(cfg.data), cfg.train_examples, cfg.seed)
+            records = seeded_subset(load_instruct_json(cfg.data), cfg.train_examples, cfg.seed)
             extra = {}
         gen_sets, gen_missing = _generation_evals(cfg)  # before tokenising: a bad eval setup fails fast
         ds = build_instruct_dataset(records, tokenizer, cfg.max_length, cfg.train_on_inputs, fully_masked="keep")
@@ -131,9 +125,16 @@ def build_task_data(cfg: TrainConfig, tokenizer) -> TaskData:
 
         task = glue_task(cfg.task)
         num_labels, task_name = task.num_labels, task.name
-        train_ex = _subset(load_glue(task.name, "train", cfg.data), cfg.train_examples, cfg.seed)
-        splits = ("validation_matched", "validation_mismatched") if task.name == "mnli" else ("validation",)
-        evals = {s: load_glue(task.name, s, cfg.data) for s in splits}
+        pool = load_glue(task.name, "train", cfg.data)
+        held = [(k, n) for k, n in (("test", cfg.holdout_test), ("val", cfg.holdout_val)) if n]
+        pool, evals = carve(pool, held) if held else (pool, {})
+        train_ex = seeded_subset(pool, cfg.train_examples, cfg.seed)
+        if not cfg.holdout_test:  # the official dev set(s)
+            splits = [s for s in task.splits if s != "train"]
+            unknown = [s for s in cfg.eval_splits or () if s not in splits]
+            if unknown:
+                raise ConfigError(f"eval_splits: {unknown} are not {task.name} validation splits ({', '.join(splits)})")
+            evals.update({s: load_glue(task.name, s, cfg.data) for s in cfg.eval_splits or splits})
     enc = encode_classification(train_ex, tokenizer, cfg.max_length, num_labels)
     notes = {"train_examples": len(enc.features), "truncated": enc.n_truncated}
     eval_sets = {}
@@ -145,29 +146,26 @@ def build_task_data(cfg: TrainConfig, tokenizer) -> TaskData:
     return TaskData("seq_cls", enc.features, classification_losses, eval_sets, task_name, notes)
 
 
-def model_inputs(batch: dict, device: torch.device | None = None) -> dict:
-    """The model's input tensors of a collated batch (on ``device`` if given)."""
-    return {k: v if device is None else v.to(device) for k, v in batch.items()
-            if k in ("input_ids", "attention_mask", "token_type_ids")}
-
-
 @torch.no_grad()
 def evaluate_classification(model: nn.Module, features: list[dict], pad_id: int, batch_size: int,
                             task_name: str | None, progress=None) -> dict:
     """Batched evaluation: accuracy (and the GLUE metrics of ``task_name``) of the argmax prediction."""
     was_training = model.training
     model.eval()
-    preds, golds = [], []
     device = next(model.parameters()).device
-    for start in range(0, len(features), batch_size):
-        batch = pad_collate(features[start : start + batch_size], pad_id)
+    order = sorted(range(len(features)), key=lambda i: len(features[i]["input_ids"]))  # less padding
+    preds: list = [None] * len(features)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        batch = pad_collate([features[i] for i in chunk], pad_id)
         logits = model(**model_inputs(batch, device)).logits.cpu()
-        preds.append(logits.squeeze(-1) if logits.shape[-1] == 1 else logits.argmax(-1))
-        golds.append(batch["labels"])
+        for i, p in zip(chunk, logits.squeeze(-1) if logits.shape[-1] == 1 else logits.argmax(-1)):
+            preds[i] = p
         if progress is not None:
-            progress.update(len(features[start : start + batch_size]))
+            progress.update(len(chunk))
     model.train(was_training)
-    y_pred, y_true = torch.cat(preds), torch.cat(golds)
+    y_pred = torch.stack(preds)
+    y_true = torch.stack([torch.as_tensor(f["labels"]) for f in features])
     if y_pred.is_floating_point():
         out = {}
     else:
