@@ -329,3 +329,63 @@ def test_gemma2_architecture_gets_the_papers_five_lora_targets():
     peft = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules=TARGETS))
     wrapped = {n.split(".")[-1] for n, m in peft.named_modules() if hasattr(m, "lora_A")}
     assert wrapped == set(TARGETS)
+
+
+def test_tuned_grid_widens_at_an_edge_runs_seeds_at_the_chosen_rate_and_reports_pairs(tmp_path):
+    """A fake trainer whose validation score peaks at lr 3e-2 for prism (beyond the grid: one widening step) and at
+    3e-3 for dp-adamw (inside it); dev scores differ by seed.  Checks the order, the choice, the seeds, the tables."""
+    from prismdp.experiment.tuning import next_lr
+
+    assert next_lr([3e-4, 1e-3, 3e-3, 1e-2], "high") == 3e-2 and next_lr([3e-4, 1e-3, 3e-3, 1e-2], "low") == 1e-4
+    peak = {"prism": 3e-2, "dp-adamw": 3e-3}
+    trained = []
+
+    def fake_train(cfg, resume=False, progress=False, log=None):
+        import math
+
+        trained.append(Path(cfg.output).name)
+        val = 0.9 - 0.1 * abs(math.log10(cfg.lr / peak[cfg.method]))
+        dev = val - 0.01 * (cfg.seed - 1) + (0.05 if cfg.method == "prism" else 0.0)
+        folder = Path(cfg.output)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
+        (folder / "summary.json").write_text(json.dumps({
+            "steps": 1, "privacy": {"private": cfg.dp}, "eval": {"val": {"score": val}, "validation": {"score": dev}},
+            "scores": {"sst2": dev}}))
+
+    exp = load_experiment({"name": "T", "output": str(tmp_path), "tasks": {"sst2": {}}, "base": {"holdout_val": 10},
+                           "methods": ["dp-adamw", "prism"], "privacy": [3], "seeds": [1, 2, 3],
+                           "lrs": [3e-4, 1e-3, 3e-3, 1e-2], "tune": {"by": "val", "widen": 2}})
+    run = run_experiment(exp, progress=False, log=lambda *a: None, train_fn=fake_train)
+    assert not run.failures
+    # the 8 tuning runs first, then prism's widening (3e-2 wins, then 1e-1 loses), then the other seeds
+    assert trained[:8] == [f"sst2__{m}__eps3__lr{lr:g}__seed1" for m in ("dp-adamw", "prism")
+                           for lr in (3e-4, 1e-3, 3e-3, 1e-2)]
+    assert set(trained[8:]) == {"sst2__prism__eps3__lr0.03__seed1", "sst2__prism__eps3__lr0.1__seed1",
+                                "sst2__dp-adamw__eps3__lr0.003__seed2", "sst2__dp-adamw__eps3__lr0.003__seed3",
+                                "sst2__prism__eps3__lr0.03__seed2", "sst2__prism__eps3__lr0.03__seed3"}
+    assert trained.index("sst2__prism__eps3__lr0.1__seed1") < trained.index("sst2__prism__eps3__lr0.03__seed2")
+    md = (tmp_path / "results.md").read_text()
+    assert "## Learning rates" in md and "| sst2 | ε=3 | PRISM |" in md and "| 0.03 |" in md
+    assert "| sst2 | ε=3 | AdamW | 0.050 ± 0.000 | 3/3 |" in md  # paired: +0.05 on every seed
+    rows = list(csv.DictReader(open(tmp_path / "results.csv")))
+    assert {r["lr"] for r in rows if r["method"] == "prism"} == {"0.0003", "0.001", "0.003", "0.01", "0.03", "0.1"}
+    # done: a second run trains nothing
+    trained.clear()
+    run_experiment(exp, progress=False, log=lambda *a: None, train_fn=fake_train)
+    assert trained == []
+
+
+def test_a_cell_claimed_by_a_live_process_is_passed_over(tmp_path):
+    import os
+
+    from prismdp.experiment.runner import claim, release
+
+    folder = tmp_path / "cell"
+    assert claim(folder) and claim(folder)  # our own claim can be taken again
+    (folder / ".claim").write_text(json.dumps({"pid": os.getppid(), "host": __import__("socket").gethostname()}))
+    assert not claim(folder)  # a live other process holds it
+    (folder / ".claim").write_text(json.dumps({"pid": 2**22 + 12345, "host": __import__("socket").gethostname()}))
+    assert claim(folder)  # a dead one's claim is stale
+    release(folder)
+    assert not (folder / ".claim").exists()

@@ -362,8 +362,10 @@ def table_scores(evals: Dict[str, Dict[str, Any]], task: Optional[str] = None) -
 
     Generation sets map to their own names (``cola`` ... ``rte``, ``gsm8k`` ... ``svamp``), with ``mnli`` = mean of
     the matched and mismatched accuracies (only if both were evaluated).  Classification runs (``task`` = the
-    trained GLUE task) map ``validation`` -> ``task``, ``validation_matched``/``_mismatched`` -> ``mnli``, and the
-    synthetic task's ``test`` -> ``synthetic`` (accuracy).
+    trained GLUE task) map ``validation`` (or ``test``, a split held out of the training data in its place) ->
+    ``task``, ``validation_matched``/``_mismatched`` -> ``mnli`` (their mean; the matched accuracy when only it was
+    evaluated), and the synthetic task's ``test`` -> ``synthetic`` (accuracy).  ``val`` (a tuning split) is never a
+    column.
     """
     cols: Dict[str, float] = {}
     for name, ev in evals.items():
@@ -371,12 +373,14 @@ def table_scores(evals: Dict[str, Dict[str, Any]], task: Optional[str] = None) -
             continue
         if name in GLUE_SETS or name in MATH_SETS:
             cols[name] = float(ev["score"])
-        elif name == "validation" and task is not None:
-            cols[task] = float(ev.get("score", ev.get("accuracy")))
         elif name == "test" and task == "synthetic":
             cols["synthetic"] = float(ev["accuracy"])
+        elif name in ("validation", "test") and task is not None:
+            cols[task] = float(ev.get("score", ev.get("accuracy")))
     pairs = (("mnli_matched", "mnli_mismatched"), ("validation_matched", "validation_mismatched"))
     for a, b in pairs:
         if a in evals and b in evals:
             cols["mnli"] = mnli_score(evals[a], evals[b])
+        elif a in evals and a == "validation_matched" and isinstance(evals[a], dict):
+            cols["mnli"] = float(evals[a].get("accuracy", evals[a].get("score")))
     return cols

@@ -17,12 +17,20 @@ A grid is methods x privacy settings x tasks x seeds.  The file (keys with dashe
     labels: {lora-rite: RITE}        # optional display names of methods in the tables
     columns: [cola, sst2, ...]       # optional column order of the tables
     exclude: ["*__ffa__nondp__*"]    # optional: cell-id patterns (fnmatch) left out of the grid
+    lrs: [3.0e-4, 1.0e-3, 3.0e-3]    # optional learning-rate axis (cell ids gain __lr<value>)
+    tune: {by: val, widen: 2}        # optional: pick each (task, method, setting)'s rate on eval set `on` with the
+                                     # first seed, then run the other seeds at it (prismdp.experiment.tuning)
+    compare: prism                   # optional: the method the paired comparisons are about (default: prism)
+
+A ``methods`` entry may be a variant of a registered method: ``prism-ref: {method: prism, method_kwargs: {preset:
+reference}}`` (its id names the cells and the table rows).
 
 A cell's values are ``base``, then ``methods[m]``, then ``tasks[t]``, then the command line's ``--set KEY=VALUE``,
-then the cell's own ``method``, ``dp``/``epsilon``, ``seed`` and ``output = OUT/<cell id>``.  ``lr`` may be a
+then the cell's own ``method``, ``dp``/``epsilon``, ``seed``, ``lr`` (on the lr axis) and ``output = OUT/<cell id>``.  ``lr`` may be a
 mapping ``{method: lr}`` at any level (the paper's rates depend on method and task); a cell whose method is not in
 the mapping is an error.  Relative ``data`` / ``eval_data`` paths, and a ``model`` starting with ``.``, are
-resolved against the folder of the YAML file.  Cell ids: ``<task id>__<method>__<nondp|eps3>__seed<seed>``.
+resolved against the folder of the YAML file.  Cell ids: ``<task id>__<method>__<nondp|eps3>__seed<seed>``, or
+``<task id>__<method>__<nondp|eps3>__lr<lr>__seed<seed>`` with an lr axis.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import fnmatch
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..train.config import ConfigError, TrainConfig
 
@@ -42,7 +50,8 @@ __all__ = ["Setting", "Cell", "Experiment", "load_experiment", "parse_setting", 
 #: Display names of the methods (the paper's Table 2 spelling).
 DEFAULT_LABELS = {"ffa": "FFA", "lora-rite": "RITE", "dp-adamw": "AdamW", "lora-plus": "LoRA+", "lamb": "LAMB",
                   "prism": "PRISM"}
-_TOP_KEYS = {"name", "output", "base", "tasks", "methods", "privacy", "seeds", "labels", "columns", "exclude"}
+_TOP_KEYS = {"name", "output", "base", "tasks", "methods", "privacy", "seeds", "labels", "columns", "exclude", "lrs",
+             "tune", "compare"}
 _PATH_KEYS = ("data", "eval_data")
 _CELL_KEYS = ("method", "dp", "epsilon", "seed", "output")  # set by the grid, not by the layers
 _NONDP = {"non-dp", "nondp", "non_dp", "none", "no-dp", "off", "false"}
@@ -83,17 +92,28 @@ def parse_setting(value: Any) -> Setting:
     return Setting(eps)
 
 
+def cell_id(task_id: str, method: str, setting: Setting, seed: int, lr: Optional[float] = None) -> str:
+    lr_part = "" if lr is None else f"__lr{lr:g}"
+    return f"{task_id}__{method}__{setting.key}{lr_part}__seed{seed}"
+
+
 @dataclass(frozen=True)
 class Cell:
     task_id: str
-    method: str
+    method: str  # the grid's method id (a registered method, or a variant of one)
     setting: Setting
     seed: int
     config: TrainConfig = field(compare=False, repr=False)
+    lr: Optional[float] = None  # the value on the grid's lr axis (None without one)
 
     @property
     def id(self) -> str:
-        return f"{self.task_id}__{self.method}__{self.setting.key}__seed{self.seed}"
+        return cell_id(self.task_id, self.method, self.setting, self.seed, self.lr)
+
+    @property
+    def group(self) -> Tuple[str, str, str]:
+        """(task id, method id, setting key): the cells that differ only by seed and learning rate."""
+        return self.task_id, self.method, self.setting.key
 
 
 @dataclass
@@ -110,6 +130,9 @@ class Experiment:
     columns: Optional[List[str]] = None
     overrides: Dict[str, Any] = field(default_factory=dict)
     exclude: List[str] = field(default_factory=list)
+    lrs: Optional[List[float]] = None
+    tune: Optional["Tune"] = None
+    compare: Optional[str] = None
 
     def excluded(self, cell_id: str) -> bool:
         return any(fnmatch.fnmatchcase(cell_id, pat) for pat in self.exclude)
@@ -144,32 +167,38 @@ class Experiment:
                     if methods and method not in methods:
                         continue
                     for seed in self.seeds:
-                        if (seeds and seed not in seeds) or self.excluded(
-                                f"{task_id}__{method}__{setting.key}__seed{seed}"):
-                            continue
-                        cells.append(self._cell(task_id, method, setting, seed, out_root))
+                        for lr in self.lrs or [None]:
+                            if (seeds and seed not in seeds) or self.excluded(
+                                    cell_id(task_id, method, setting, seed, lr)):
+                                continue
+                            cells.append(self.cell(task_id, method, setting, seed, out_root, lr))
         return cells
 
-    def _cell(self, task_id: str, method: str, setting: Setting, seed: int, out_root: Path) -> Cell:
+    def cell(self, task_id: str, method: str, setting: Setting, seed: int, out_root: Path,
+             lr: Optional[float] = None) -> Cell:
+        """The cell of one grid point (``lr``: a value on the lr axis, which overrides every layer's ``lr``)."""
         values: Dict[str, Any] = {}
         for layer in (self.base, self.methods[method], self.tasks[task_id], self.overrides):
             values.update(copy.deepcopy(layer))
         values.setdefault("task", task_id)
-        cid = f"{task_id}__{method}__{setting.key}__seed{seed}"
+        values.setdefault("method", method)  # a variant names its registered method
+        cid = cell_id(task_id, method, setting, seed, lr)
+        if lr is not None:
+            values["lr"] = float(lr)
         if isinstance(values.get("lr"), dict):
             table = values["lr"]
             if method not in table:
                 raise ConfigError(f"{cid}: lr is a per-method mapping without an entry for {method!r} "
                                   f"(has {', '.join(table)})")
             values["lr"] = table[method]
-        values.update(method=method, dp=setting.dp, seed=int(seed), output=str(out_root / cid))
+        values.update(dp=setting.dp, seed=int(seed), output=str(out_root / cid))
         if setting.dp:
             values["epsilon"] = setting.epsilon
         try:
             cfg = TrainConfig.from_dict(values, source=f"cell {cid}")
         except (ConfigError, TypeError) as e:
             raise ConfigError(f"cell {cid}: {e}") from None
-        return Cell(task_id, method, setting, int(seed), cfg)
+        return Cell(task_id, method, setting, int(seed), cfg, None if lr is None else float(lr))
 
 
 def _mapping(d: Any, where: str) -> Dict[str, Any]:
@@ -202,14 +231,14 @@ def _resolve_paths(values: Dict[str, Any], folder: Optional[Path]) -> Dict[str, 
     return out
 
 
-def _check_layer(values: Dict[str, Any], where: str) -> None:
+def _check_layer(values: Dict[str, Any], where: str, allowed: Sequence[str] = ()) -> None:
     import dataclasses
 
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; valid TrainConfig keys: {sorted(known)}")
-    fixed = sorted(set(values) & set(_CELL_KEYS))
+    fixed = sorted(set(values) & set(_CELL_KEYS) - set(allowed))
     if fixed:
         raise ConfigError(f"{where}: {fixed} are set by the grid (methods / privacy / seeds / --output), "
                           "not per layer")
@@ -277,9 +306,13 @@ def load_experiment(source: Any, overrides: Optional[Dict[str, Any]] = None) -> 
     from ..engine import METHODS
 
     for m, v in methods.items():
-        if m not in METHODS:
-            raise ConfigError(f"methods: unknown method {m!r}; choose from {sorted(METHODS)}")
-        _check_layer(v, f"methods.{m}")
+        if v.get("method", m) not in METHODS:
+            what = f"method {v['method']!r} of variant {m!r}" if "method" in v else f"method {m!r}"
+            raise ConfigError(f"methods: unknown {what}; choose from {sorted(METHODS)} (a variant with another id "
+                              "names its method: {method: prism, ...})")
+        if "__" in m:
+            raise ConfigError(f"methods: id {m!r} must not contain '__'")
+        _check_layer(v, f"methods.{m}", allowed=("method",))
     settings_raw = raw.get("privacy", [3])
     settings_raw = settings_raw if isinstance(settings_raw, (list, tuple)) else [settings_raw]
     settings = []
@@ -301,9 +334,23 @@ def load_experiment(source: Any, overrides: Optional[Dict[str, Any]] = None) -> 
         raise ConfigError("exclude: expected a list of cell-id patterns such as '*__ffa__nondp__*'")
     over = _resolve_paths(dict(overrides or {}), Path.cwd())
     _check_layer(over, "--set")
+    lrs = raw.get("lrs")
+    if lrs is not None:
+        try:
+            lrs = sorted({float(v) for v in (lrs if isinstance(lrs, (list, tuple)) else [lrs])})
+        except (TypeError, ValueError):
+            raise ConfigError(f"lrs: expected a list of learning rates, got {raw.get('lrs')!r}") from None
+        if not lrs or min(lrs) <= 0:
+            raise ConfigError(f"lrs: expected positive learning rates, got {raw.get('lrs')!r}")
+    from .tuning import Tune
+
+    tune = Tune.parse(raw.get("tune"), lrs) if raw.get("tune") is not None else None
+    compare = raw.get("compare", "prism" if "prism" in methods else None)
+    if compare is not None and compare not in methods:
+        raise ConfigError(f"compare: {compare!r} is not one of the methods ({', '.join(methods)})")
     exp = Experiment(path, str(raw.get("name") or (path.stem if path else "experiment")),
                      str(raw.get("output") or f"runs/{path.stem if path else 'experiment'}"), base, tasks, methods,
-                     settings, [int(s) for s in seeds_raw], labels, columns, over, list(exclude))
+                     settings, [int(s) for s in seeds_raw], labels, columns, over, list(exclude), lrs, tune, compare)
     if not exp.cells():
         raise ConfigError(f"exclude: the patterns {exclude} leave no cell in the grid")
     return exp

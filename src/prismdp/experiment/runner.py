@@ -6,13 +6,20 @@ which is reported as a failure (delete the folder, or use another ``--output``) 
 of different settings.  A cell with a ``checkpoint.pt`` but no summary was interrupted and is resumed; one with
 neither (stopped before its first checkpoint) is restarted.  A failing cell is reported and the others still run.
 ``OUT/experiment.json`` records the grid; ``OUT/results.csv``, ``results.md`` and ``results.tex`` are rewritten
-after every cell (see :mod:`prismdp.experiment.tables`).
+after every cell (see :mod:`prismdp.experiment.tables`).  With ``tune`` in the file the cells to train are decided
+as results arrive (:mod:`prismdp.experiment.tuning`).
+
+Several processes may work on one grid (e.g. two single-threaded ones on a 2-core machine): a process claims a cell
+by creating ``<cell>/.claim`` (exclusively) before training it and removes it afterwards; cells claimed by a live
+process are passed over, claims of dead processes are taken over.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import socket
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -23,7 +30,7 @@ from ..atomic import write_json
 from .grid import Cell, Experiment, Setting
 from .tables import Table, write_results
 
-__all__ = ["run_experiment", "ExperimentRun", "config_mismatch"]
+__all__ = ["run_experiment", "ExperimentRun", "config_mismatch", "claim", "release"]
 
 _RESOLVED_DEFAULTS = ("lr", "target_modules")  # None in the grid, filled in by the trainer
 _PLACE_KEYS = ("output", "device")  # where a run happened, not what it computed
@@ -64,14 +71,85 @@ def config_mismatch(cell: Cell) -> List[str]:
     return diffs
 
 
+def claim(folder: Path) -> bool:
+    """Claim a cell's folder for this process; False if a live process (on this host) holds it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / ".claim"
+    mine = json.dumps({"pid": os.getpid(), "host": socket.gethostname()})
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                held = json.loads(path.read_text())
+                alive = held.get("host") == socket.gethostname() and _alive(int(held["pid"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                alive = False  # unreadable or half-written: treat as stale
+            if alive and held.get("pid") != os.getpid():
+                return False
+            path.unlink(missing_ok=True)  # stale (or our own): take it over
+            continue
+        with os.fdopen(fd, "w") as fh:
+            fh.write(mine)
+        return True
+    return False
+
+
+def release(folder: Path) -> None:
+    (folder / ".claim").unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _train_cell(cell: Cell, run: "ExperimentRun", train_fn, progress: bool, log, tag: str) -> None:
+    """Skip a finished cell (or report a configuration mismatch), else train / resume it; record the outcome."""
+    folder = Path(cell.config.output)
+    if (folder / "summary.json").is_file():
+        diffs = config_mismatch(cell)
+        if diffs:
+            msg = (f"{folder} holds a finished run with a different configuration ({', '.join(diffs)}); delete "
+                   "the folder to rerun it, or use another --output")
+            run.failures[cell.id] = msg
+            log(f"{tag}: {msg}")
+        else:
+            run.skipped.append(cell.id)
+            log(f"{tag}: done, skipped")
+        return
+    resume = (folder / "checkpoint.pt").is_file()
+    if not resume and (folder / "metrics.jsonl").exists():
+        (folder / "metrics.jsonl").unlink()  # stopped before its first checkpoint: nothing to resume
+    log(f"{tag}: {'resuming' if resume else 'training'} -> {folder}")
+    t0 = time.perf_counter()
+    try:
+        train_fn(cell.config, resume=resume, progress=progress, log=log)
+    except Exception as e:  # noqa: BLE001 - one failing cell must not stop the grid
+        run.failures[cell.id] = f"{type(e).__name__}: {e}"
+        log(f"{tag}: FAILED {type(e).__name__}: {e}")
+        log("".join(traceback.format_exception(type(e), e, e.__traceback__, limit=-3)).rstrip())
+        return
+    run.ran.append(cell.id)
+    log(f"{tag}: finished in {time.perf_counter() - t0:.1f} s")
+
+
 def run_experiment(exp: Experiment, *, output: Optional[str] = None, tasks: Optional[Sequence[str]] = None,
                    methods: Optional[Sequence[str]] = None, settings: Optional[Sequence[Setting]] = None,
                    seeds: Optional[Sequence[int]] = None, dry_run: bool = False, tables_only: bool = False,
                    progress: bool = True, log: Callable[[str], None] = print,
-                   train_fn: Optional[Callable] = None) -> ExperimentRun:
+                   train_fn: Optional[Callable] = None, poll_s: float = 30.0) -> ExperimentRun:
     """Train the selected cells (all by default) that are not done yet; write the tables over the whole grid."""
     if train_fn is None:
         from ..train.loop import train as train_fn
+    if exp.tune is not None:
+        return _run_tuned(exp, output=output, tasks=tasks, methods=methods, settings=settings, dry_run=dry_run,
+                          tables_only=tables_only, progress=progress, log=log, train_fn=train_fn, poll_s=poll_s)
     out_dir = Path(output if output is not None else exp.output)
     all_cells = exp.cells(str(out_dir))
     chosen = {c.id for c in exp.cells(str(out_dir), tasks=tasks, methods=methods, settings=settings, seeds=seeds)}
@@ -88,35 +166,62 @@ def run_experiment(exp: Experiment, *, output: Optional[str] = None, tasks: Opti
         "cells": {c.id: {**c.config.to_dict(), "task_id": c.task_id} for c in all_cells}})
     todo = [] if tables_only else cells
     for i, cell in enumerate(todo, 1):
-        folder = Path(cell.config.output)
         tag = f"[experiment] ({i}/{len(todo)}) {cell.id}"
-        if (folder / "summary.json").is_file():
-            diffs = config_mismatch(cell)
-            if diffs:
-                msg = (f"{folder} holds a finished run with a different configuration ({', '.join(diffs)}); delete "
-                       "the folder to rerun it, or use another --output")
-                run.failures[cell.id] = msg
-                log(f"{tag}: {msg}")
-            else:
-                run.skipped.append(cell.id)
-                log(f"{tag}: done, skipped")
+        folder = Path(cell.config.output)
+        if not (folder / "summary.json").is_file() and not claim(folder):
+            log(f"{tag}: being trained by another process, passed over")
             continue
-        resume = (folder / "checkpoint.pt").is_file()
-        if not resume and (folder / "metrics.jsonl").exists():
-            (folder / "metrics.jsonl").unlink()  # stopped before its first checkpoint: nothing to resume
-        log(f"{tag}: {'resuming' if resume else 'training'} -> {folder}")
-        t0 = time.perf_counter()
         try:
-            train_fn(cell.config, resume=resume, progress=progress, log=log)
-        except Exception as e:  # noqa: BLE001 - one failing cell must not stop the grid
-            run.failures[cell.id] = f"{type(e).__name__}: {e}"
-            log(f"{tag}: FAILED {type(e).__name__}: {e}")
-            log("".join(traceback.format_exception(type(e), e, e.__traceback__, limit=-3)).rstrip())
-            continue
-        run.ran.append(cell.id)
-        log(f"{tag}: finished in {time.perf_counter() - t0:.1f} s")
+            _train_cell(cell, run, train_fn, progress, log, tag)
+        finally:
+            release(folder)
         write_results(exp, all_cells, out_dir, run.failures)
     _, run.table = write_results(exp, all_cells, out_dir, run.failures)
     log(f"[experiment] {len(run.ran)} trained, {len(run.skipped)} skipped, {len(run.failures)} failed; results in "
         f"{out_dir / 'results.csv'}, {out_dir / 'results.md'}, {out_dir / 'results.tex'}")
+    return run
+
+
+def _run_tuned(exp: Experiment, *, output, tasks, methods, settings, dry_run, tables_only, progress, log, train_fn,
+               poll_s) -> ExperimentRun:
+    """A grid with learning-rate tuning: train what the finished runs unlock until every group is decided."""
+    from .tuning import Plan
+
+    out_dir = Path(output if output is not None else exp.output)
+    plan = Plan(exp, out_dir, tasks=tasks, methods=methods, settings=settings)
+    run = ExperimentRun(out_dir, plan.todo())
+    if dry_run:
+        for key, g in plan.groups.items():
+            tried = ", ".join(f"{lr:g}: {'todo' if v is None else f'{v:.4f}'}" for lr, v in sorted(g.tried.items()))
+            state = f"chosen lr {g.chosen:g}" if g.chosen is not None else "tuning"
+            log(f"[experiment] {'__'.join(key)}: {state}; tuning runs {{{tried}}}; {len(g.todo)} run(s) to do")
+        return run
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / "experiment.json", {
+        "name": exp.name, "source": str(exp.path) if exp.path else None, "overrides": exp.overrides,
+        "lrs": exp.lrs, "tune": dataclasses.asdict(exp.tune)})
+    waited = False
+    while not tables_only:
+        plan = Plan(exp, out_dir, tasks=tasks, methods=methods, settings=settings, failed=list(run.failures))
+        todo = plan.todo()
+        cell = next((c for c in todo if claim(Path(c.config.output))), None)
+        if cell is None:
+            if not todo:
+                break
+            if not waited:
+                log(f"[experiment] {len(todo)} cell(s) left, all being trained by other processes; waiting for "
+                    "their results (they decide what comes next)")
+                waited = True
+            time.sleep(poll_s)
+            continue
+        waited = False
+        tag = f"[experiment] ({len(todo)} to do) {cell.id}"
+        try:
+            _train_cell(cell, run, train_fn, progress, log, tag)
+        finally:
+            release(Path(cell.config.output))
+        write_results(exp, plan.reported_cells(), out_dir, run.failures, plan=plan)
+    plan = Plan(exp, out_dir, tasks=tasks, methods=methods, settings=settings, failed=list(run.failures))
+    _, run.table = write_results(exp, plan.reported_cells(), out_dir, run.failures, plan=plan)
+    log(f"[experiment] {len(run.ran)} trained, {len(run.failures)} failed; results in {out_dir / 'results.md'}")
     return run

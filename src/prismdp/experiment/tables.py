@@ -36,7 +36,7 @@ COLUMN_LABELS = {"cola": "CoLA", "sst2": "SST-2", "mrpc": "MRPC", "stsb": "STS-B
 GROUPS = (("GLUE8", GLUE8_COLUMNS), ("Math-10K", MATH_SETS))
 _CANONICAL = (*GLUE8_COLUMNS, *MATH_SETS, "synthetic")
 CSV_FIELDS = ["cell_id", "task_id", "task", "method", "method_label", "setting", "dp", "epsilon_target", "seed",
-              "column", "metric", "value", "epsilon_spent", "delta", "noise_multiplier", "steps", "mean_step_time_s",
+              "lr", "column", "metric", "value", "epsilon_spent", "delta", "noise_multiplier", "steps", "mean_step_time_s",
               "peak_memory_mb", "eval_time_s", "model"]
 _DETAIL_METRICS = ("accuracy", "f1", "mcc", "pearson", "spearman", "correct", "n", "unparsed", "parse_rate",
                    "unfinished", "total")
@@ -78,6 +78,7 @@ def result_rows(exp: Experiment, results: Sequence[CellResult]) -> List[Dict[str
             "cell_id": c.id, "task_id": c.task_id, "task": c.config.task, "method": c.method,
             "method_label": exp.label(c.method), "setting": c.setting.key, "dp": c.setting.dp,
             "epsilon_target": c.setting.epsilon if c.setting.dp else "", "seed": c.seed,
+            "lr": r.config.get("lr", c.config.lr) or "",
             "epsilon_spent": priv.get("epsilon", "") if priv.get("private") else "",
             "delta": priv.get("delta", "") if priv.get("private") else "",
             "noise_multiplier": priv.get("noise_multiplier", "") if priv.get("private") else "",
@@ -347,13 +348,82 @@ def render_runtime(exp: Experiment, cells: Sequence[Cell], results: Sequence[Cel
     return "\n".join(lines) + "\n" if any_row else ""
 
 
+def render_tuning(exp: Experiment, plan) -> str:
+    """Per task, setting and method: the tuning score (``tune.by``) of every rate tried, and the rate chosen."""
+    lrs = sorted({lr for g in plan.groups.values() for lr in g.tried})
+    if not lrs:
+        return ""
+    lines = ["", "## Learning rates", "",
+             f"Score on `{plan.tune.by}` (held out of the training data) of the tuning seed ({plan.tune_seed}) at each "
+             "rate tried; **bold** = chosen (best; ties go to the smaller rate; the grid is widened when an edge "
+             "wins). The tables above report every seed at the chosen rate.", "",
+             "| Task | Setting | Method | " + " | ".join(f"{lr:g}" for lr in lrs) + " | chosen |",
+             "|---|---|---|" + "---:|" * (len(lrs) + 1)]
+    for (task_id, method, skey), g in plan.groups.items():
+        label = next(st.label for st in exp.settings if st.key == skey)
+        vals = []
+        for lr in lrs:
+            v = g.tried.get(lr)
+            text = "" if lr not in g.tried else "…" if v is None else "fail" if v == -math.inf else f"{v:.4f}"
+            vals.append(f"**{text}**" if lr == g.chosen else text)
+        chosen = f"{g.chosen:g}" if g.chosen is not None else "…"
+        lines.append(f"| {task_id} | {label} | {exp.label(method)} | " + " | ".join(vals) + f" | {chosen} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_paired(exp: Experiment, cells: Sequence[Cell], results: Sequence[CellResult]) -> str:
+    """``exp.compare`` (PRISM) against every other method, per task column and setting, paired by seed: the mean
+    difference of the reported score, its sample standard deviation and how many seeds it wins."""
+    if exp.compare is None:
+        return ""
+    by_cell = {r.cell.id: r for r in results}
+    scores: Dict[Tuple[str, str, str], Dict[int, Dict[str, float]]] = {}
+    for c in cells:
+        if c.id in by_cell:
+            scores.setdefault((c.task_id, c.setting.key, c.method), {})[c.seed] = by_cell[c.id].scores
+    lines = ["", f"## Paired comparison: {exp.label(exp.compare)} minus each method", "",
+             "Per task and setting, the difference of the reported score on the same seed (the same data order and "
+             "held-out splits), mean ± sample std over the seeds both have; wins = seeds where "
+             f"{exp.label(exp.compare)} scores higher.", "",
+             "| Task | Setting | vs | Δ mean ± std | wins | per seed |", "|---|---|---|---:|---:|---|"]
+    rows = 0
+    for task_id in exp.tasks:
+        for st in exp.settings:
+            ours = scores.get((task_id, st.key, exp.compare), {})
+            for method in exp.methods:
+                if method == exp.compare:
+                    continue
+                theirs = scores.get((task_id, st.key, method), {})
+                for col in sorted({k for s in ours.values() for k in s}):
+                    seeds = sorted(s for s in ours if s in theirs and col in ours[s] and col in theirs[s])
+                    if not seeds:
+                        continue
+                    d = [ours[s][col] - theirs[s][col] for s in seeds]
+                    stat = _stat(d)
+                    wins = sum(x > 0 for x in d)
+                    name = task_id if col == exp.tasks[task_id].get("task", task_id) or col == task_id else \
+                        f"{task_id}:{col}"
+                    lines.append(f"| {name} | {st.label} | {exp.label(method)} | {_fmt(stat, ' ± ')} | "
+                                 f"{wins}/{len(d)} | " + ", ".join(f"{x:+.3f}" for x in d) + " |")
+                    rows += 1
+    return "\n".join(lines) + "\n" if rows else ""
+
+
 def write_results(exp: Experiment, cells: Sequence[Cell], out_dir: Path,
-                  failures: Optional[Dict[str, str]] = None) -> Tuple[List[CellResult], Table]:
-    """Read every finished cell and write ``results.csv``, ``results.md`` and ``results.tex`` into ``out_dir``."""
+                  failures: Optional[Dict[str, str]] = None, plan=None) -> Tuple[List[CellResult], Table]:
+    """Read every finished cell and write ``results.csv``, ``results.md`` and ``results.tex`` into ``out_dir``.
+
+    With a tuning ``plan`` (:mod:`prismdp.experiment.tuning`), ``cells`` are the reported runs (every seed at each
+    group's chosen rate), results.csv also holds every tuning run, and results.md gains the learning-rate table."""
     out_dir.mkdir(parents=True, exist_ok=True)
     results = [r for r in (read_cell(c) for c in cells) if r is not None]
-    write_csv(out_dir / "results.csv", result_rows(exp, results))
+    listed = plan.all_cells() if plan is not None else cells
+    every = results if plan is None else [r for r in (read_cell(c) for c in listed) if r is not None]
+    write_csv(out_dir / "results.csv", result_rows(exp, every))
     table = build_table(exp, cells, results, failures)
-    write_text(out_dir / "results.md", render_markdown(table) + render_runtime(exp, cells, results))
+    md = render_markdown(table) + render_paired(exp, cells, results)
+    if plan is not None:
+        md += render_tuning(exp, plan)
+    write_text(out_dir / "results.md", md + render_runtime(exp, cells, results))
     write_text(out_dir / "results.tex", render_latex(table))
     return results, table

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, get_peft_model
 
+from .. import code_version
 from ..atomic import atomic_path, write_json, write_text
 from ..engine import DEFAULT_LR, make_private
 from ..export import export_adapter
@@ -118,7 +119,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
                 "torch_device": str(device),
                 "noise_multiplier": private.dp.noise_multiplier if private.dp else None,
                 "sample_rate": private.data_sampler.sample_rate, "data_notes": data.notes,
-                "lora_exclude_modules": exclude}
+                "lora_exclude_modules": exclude, "code_version": code_version()}
     write_json(out / "config.json", resolved)
 
     step = 0

@@ -1,0 +1,173 @@
+"""Learning-rate tuning inside a grid: the same tuning budget for every method, chosen on held-out training data.
+
+With an lr axis and ``tune`` in the experiment file::
+
+    lrs: [3.0e-4, 1.0e-3, 3.0e-3, 1.0e-2]
+    tune: {by: val, widen: 2}          # seed: the tuning seed (default: the first of `seeds`)
+
+every (task, method, privacy setting) group first trains at each rate with the tuning seed.  The rate whose run scores
+best on the eval set ``by`` (a split carved from the training data, ``holdout_val``; never the reported dev set) is
+chosen; if it is the smallest or largest rate tried, one more rate on that side is tried, up to ``widen`` times per
+side (the grid's mean log spacing, rounded to one significant digit: 1e-2 -> 3e-2 -> 1e-1).  Then the other seeds
+run at the chosen rate; the tables report those runs (the tuning seed's run at the chosen rate is one of them).
+
+:class:`Plan` turns the finished runs on disk into the cells still to train, in order: task by task (the grid's task
+order), the tuning runs before the runs they unlock.  Several ``prismdp experiment`` processes can share a grid: the
+runner claims a cell before training it (``.claim`` in its folder) and the others pass over it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..train.config import ConfigError
+
+__all__ = ["Tune", "Plan", "GroupState", "next_lr", "eval_score"]
+
+
+@dataclass(frozen=True)
+class Tune:
+    by: str = "val"  # the eval set that picks the rate (not "on": YAML 1.1 reads that key as true)
+    seed: Optional[int] = None
+    widen: int = 2
+
+    @classmethod
+    def parse(cls, raw: Any, lrs: Optional[Sequence[float]]) -> "Tune":
+        if not isinstance(raw, dict):
+            raise ConfigError(f"tune: expected a mapping such as {{by: val, widen: 2}}, got {raw!r}")
+        unknown = sorted(set(map(str, raw)) - {"by", "seed", "widen"})
+        if unknown:
+            raise ConfigError(f"tune: unknown key(s) {unknown}; valid: by, seed, widen")
+        if not lrs or len(lrs) < 2:
+            raise ConfigError("tune: needs an lr axis with at least two rates (lrs: [...])")
+        t = cls(str(raw.get("by", "val")), raw.get("seed"), int(raw.get("widen", 2)))
+        if t.widen < 0:
+            raise ConfigError(f"tune.widen must be >= 0, got {t.widen}")
+        return t
+
+
+def next_lr(lrs: Sequence[float], side: str) -> float:
+    """The rate one step beyond the ``side`` ('low' or 'high') end of the sorted ``lrs``, at their mean log spacing,
+    snapped to the nearest 1 x 10^k or 3 x 10^k (the usual log-spaced ladder 1e-3, 3e-3, 1e-2, ...)."""
+    ratio = (lrs[-1] / lrs[0]) ** (1 / (len(lrs) - 1))
+    value = lrs[0] / ratio if side == "low" else lrs[-1] * ratio
+    k = math.floor(math.log10(value))
+    ladder = [m * 10.0 ** e for e in (k - 1, k, k + 1) for m in (1, 3)]
+    return float(f"{min(ladder, key=lambda v: abs(math.log10(v / value))):.0e}")
+
+
+def eval_score(cell, on: str) -> Optional[float]:
+    """The run's score on eval set ``on`` (its ``score``, else ``accuracy``); None if unfinished, NaN if not evaluated."""
+    path = Path(cell.config.output) / "summary.json"
+    if not path.is_file():
+        return None
+    ev = (json.loads(path.read_text()).get("eval") or {}).get(on)
+    if not isinstance(ev, dict):
+        return math.nan
+    v = ev.get("score", ev.get("accuracy"))
+    return float(v) if isinstance(v, (int, float)) else math.nan
+
+
+@dataclass
+class GroupState:
+    """What is known of one (task, method, setting) group."""
+
+    key: Tuple[str, str, str]
+    tried: Dict[float, Optional[float]] = field(default_factory=dict)  # lr -> tuning score (None: not done)
+    chosen: Optional[float] = None
+    todo: List[Any] = field(default_factory=list)  # cells to train next
+    seed_cells: List[Any] = field(default_factory=list)  # at the chosen rate, every seed (reported)
+
+
+class Plan:
+    """The tuned grid's state, recomputed from the run folders (so it resumes, and processes can share it)."""
+
+    def __init__(self, exp, out_root: Path, *, tasks=None, methods=None, settings=None,
+                 failed: Sequence[str] = ()):
+        self.exp, self.out_root, self.failed = exp, Path(out_root), set(failed)
+        self.tune = exp.tune
+        self.tune_seed = self.tune.seed if self.tune.seed is not None else exp.seeds[0]
+        if self.tune_seed not in exp.seeds:
+            raise ConfigError(f"tune.seed {self.tune_seed} is not one of the seeds {exp.seeds}")
+        self.tasks = [t for t in exp.tasks if not tasks or t in tasks]
+        self.methods = [m for m in exp.methods if not methods or m in methods]
+        self.settings = [s for s in exp.settings if not settings or s in settings]
+        self.groups: Dict[Tuple[str, str, str], GroupState] = {}
+        self.refresh()
+
+    def _cell(self, task_id, method, setting, seed, lr):
+        return self.exp.cell(task_id, method, setting, seed, self.out_root, lr)
+
+    def _score(self, cell) -> Optional[float]:
+        if cell.id in self.failed:
+            return -math.inf  # a failed run does not win, and is not retried by this process
+        return eval_score(cell, self.tune.by)
+
+    def _group(self, task_id, method, setting) -> GroupState:
+        g = GroupState((task_id, method, setting.key))
+        lrs = sorted(self.exp.lrs)
+        widened = {"low": 0, "high": 0}
+        while True:
+            cells = {lr: self._cell(task_id, method, setting, self.tune_seed, lr) for lr in lrs}
+            if self.exp.excluded(next(iter(cells.values())).id):
+                return g
+            g.tried = {lr: self._score(c) for lr, c in cells.items()}
+            missing = [c for lr, c in cells.items() if g.tried[lr] is None]
+            if missing:
+                g.todo = missing
+                return g
+            best = max(lrs, key=lambda lr: (_finite(g.tried[lr]), -lr))  # ties: the smaller rate
+            side = "low" if best == lrs[0] else "high" if best == lrs[-1] else None
+            if side is not None and widened[side] < self.tune.widen and math.isfinite(_finite(g.tried[best])):
+                widened[side] += 1
+                lrs = [next_lr(lrs, side)] + lrs if side == "low" else lrs + [next_lr(lrs, side)]
+                continue
+            g.chosen = best
+            g.seed_cells = [self._cell(task_id, method, setting, s, best) for s in self.exp.seeds]
+            g.todo = [c for c in g.seed_cells
+                      if not (Path(c.config.output) / "summary.json").is_file() and c.id not in self.failed]
+            return g
+
+    def refresh(self) -> None:
+        self.groups = {}
+        for task_id in self.tasks:
+            for setting in self.settings:
+                for method in self.methods:
+                    g = self._group(task_id, method, setting)
+                    self.groups[g.key] = g
+
+    def todo(self) -> List[Any]:
+        """Cells to train now, in order: per task, the tuning runs of every group, then the runs they unlocked."""
+        out = []
+        for task_id in self.tasks:
+            gs = [g for k, g in self.groups.items() if k[0] == task_id]
+            out += [c for g in gs if g.chosen is None for c in g.todo]
+            out += [c for g in gs if g.chosen is not None for c in g.todo]
+        return out
+
+    def done(self) -> bool:
+        return all(g.chosen is not None and not g.todo for g in self.groups.values())
+
+    def reported_cells(self) -> List[Any]:
+        """Every seed at each group's chosen rate (what the tables report)."""
+        return [c for g in self.groups.values() for c in g.seed_cells]
+
+    def all_cells(self) -> List[Any]:
+        """Every cell the plan has tried or will train (tuning and reported runs), for results.csv."""
+        seen, out = set(), []
+        for (task_id, method, skey), g in self.groups.items():
+            setting = next(s for s in self.settings if s.key == skey)
+            for c in [self._cell(task_id, method, setting, self.tune_seed, lr) for lr in sorted(g.tried)] \
+                    + g.seed_cells:
+                if c.id not in seen:
+                    seen.add(c.id)
+                    out.append(c)
+        return out
+
+
+def _finite(v: Optional[float]) -> float:
+    return v if v is not None and not math.isnan(v) else -math.inf
