@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from .grad_sample import GradSampler
+from .grad_sample import GradSampler, float32_trainables
 from .lora import LoraPair, RankRStart, find_lora_pairs, freeze_lora_A, move_to_rank_r_start
 from .optim import PRISM, dp_adamw, dp_ffa, dp_lamb, dp_lora_plus, dp_lora_rite
 from .privacy import PoissonSampler, PrivacyBudget, calibrate_sigma
@@ -259,6 +259,7 @@ def make_private(
     if spec.prepare is not None:
         spec.prepare(model, adapter)
     pairs = find_lora_pairs(model, adapter, trainable=spec.trainable)
+    float32_trainables(model, pairs)  # a bf16/fp16 base model: the trained tensors stay float32
     grad_sampler = GradSampler(model, pairs)  # refuses trainable parameters it cannot cover
     q = batch_size / dataset_size
     dp = budget = None

@@ -1,4 +1,4 @@
-"""Per-example gradients of LoRA factors (and of dense trainable layers), from hooks on those layers only.
+"""Per-example gradients of LoRA factors (and of dense trainable layers), from taps on those layers only.
 
 For a LoRA pair the per-example gradients come straight from the activations and output gradients of its two
 small ``nn.Linear`` submodules: with ``x_t`` the (dropped-out) input of ``lora_A``, ``h_t = W_A x_t`` and
@@ -6,6 +6,15 @@ small ``nn.Linear`` submodules: with ``x_t`` the (dropped-out) input of ``lora_A
 ``dL_i/dW_B = sum_t d_t h_t^T`` (m x r) and ``dL_i/dW_A = sum_t (W_B^T d_t) x_t^T`` (r x n):
 O(T (m + n) r) per example, never an m x n matrix.  Dense trainable layers (e.g. a classification head) use
 Opacus' per-layer-type samplers (``GradSampleModule.GRAD_SAMPLERS``).
+
+How: a forward hook wraps each tapped module's output in :class:`_Tap`, an identity autograd function that saves the
+module's input.  Its backward receives the output gradient as soon as the backward pass reaches the module, computes
+that module's per-example gradients there (in float32 or wider: activations and gradients of bf16/fp16 models are
+cast up) and returns; the saved input is released with the node.  So the DP path keeps no (b, T, m) output gradient
+alive until the end of the backward pass, and it works with gradient checkpointing in both of torch's modes: in
+re-entrant mode the first forward runs without grad (no tap) and the recomputation's taps fire; in non-re-entrant mode
+the recomputation only refills saved tensors, its taps never fire, and the first forward's taps get the recomputed
+inputs.  A module called twice in one forward (shared weights) contributes the sum of its calls, as autograd would.
 
 Nothing is stored on parameters: :meth:`GradSampler.record` yields a :class:`Recording`, and
 :meth:`Recording.grads` returns an explicit :class:`PerExampleGrads`.
@@ -18,14 +27,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
 
 from .lora import LoraPair, LoraSetupError, stack_by_shape
 
-__all__ = ["PerExampleGrads", "GradSampler", "Recording", "dense_trainable_modules"]
+__all__ = ["PerExampleGrads", "GradSampler", "Recording", "dense_trainable_modules", "float32_trainables"]
 
 
 @dataclass
@@ -49,6 +58,11 @@ class PerExampleGrads:
 def _flat(t: Tensor) -> Tensor:
     """(b, ..., d) -> (b, T, d)."""
     return t.reshape(t.shape[0], -1, t.shape[-1])
+
+
+def _work(t: Tensor) -> Tensor:
+    """float32 for bf16/fp16 tensors (per-example gradients are never accumulated in half precision)."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 def dense_trainable_modules(model: nn.Module, pairs: list[LoraPair]) -> list[tuple[nn.Module, list[nn.Parameter]]]:
@@ -77,20 +91,146 @@ def dense_trainable_modules(model: nn.Module, pairs: list[LoraPair]) -> list[tup
     return out
 
 
-class Recording:
-    """Activations and output gradients captured during one forward/backward of one micro-batch."""
+class _RunInFloat32:
+    """Hooks that run a module converted to float32 inside a half-precision model: floating-point inputs are cast up
+    (pre-hook), the output is cast back to the dtype the first floating-point input had (forward hook)."""
 
-    def __init__(self, n_pairs: int, n_dense: int):
-        self.lora_x: list[Tensor | None] = [None] * n_pairs  # input of lora_A (b, ..., n)
-        self.lora_h: list[Tensor | None] = [None] * n_pairs  # input of lora_B (b, ..., r)
-        self.lora_dy: list[Tensor | None] = [None] * n_pairs  # grad of lora_B output (b, ..., m)
-        self.lora_dh: list[Tensor | None] = [None] * n_pairs  # grad of lora_A output (b, ..., r)
-        self.dense_x: list[Tensor | None] = [None] * n_dense
-        self.dense_dy: list[Tensor | None] = [None] * n_dense
+    def __init__(self, module: nn.Module):
+        self.dtype = None
+        module.float()
+        module.register_forward_pre_hook(self.cast_up)
+        module.register_forward_hook(self.cast_back)
+
+    def cast_up(self, module, args):
+        self.dtype = next((a.dtype for a in args if isinstance(a, Tensor) and a.is_floating_point()), None)
+        return tuple(a.float() if isinstance(a, Tensor) and a.is_floating_point() else a for a in args)
+
+    def cast_back(self, module, args, output):
+        return output.to(self.dtype) if self.dtype is not None and isinstance(output, Tensor) else output
+
+
+def float32_trainables(model: nn.Module, pairs: list[LoraPair]) -> list[str]:
+    """Keep everything trained in float32 when the base model is bf16/fp16.
+
+    LoRA factors must already be float32 (PEFT's ``autocast_adapter_dtype=True``, its default, does that); a
+    half-precision factor is refused.  Dense trainable modules (a classification head) in half precision are
+    converted to float32 and run in float32 (:class:`_RunInFloat32`); the gradient sampler's taps, registered first,
+    see their float32 output.  Returns the names of the converted modules.
+    """
+    lora = {id(p) for pair in pairs for p in pair.params}
+    for pair in pairs:
+        for p in pair.trained_params:
+            if p.dtype in (torch.bfloat16, torch.float16):
+                raise LoraSetupError(
+                    f"LoRA module {pair.name!r} has {p.dtype} factors; prismdp trains LoRA factors in float32. Fix: "
+                    "create the model with peft.get_peft_model(model, config, autocast_adapter_dtype=True) (the "
+                    "default), or cast the adapter weights to float32.")
+    converted = []
+    for name, module in model.named_modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad and id(p) not in lora]
+        if any(p.dtype in (torch.bfloat16, torch.float16) for p in own):
+            _RunInFloat32(module)
+            converted.append(name)
+    return converted
+
+
+class _Tap(torch.autograd.Function):
+    """Identity on ``out``; its backward hands ``(inp, grad of out)`` to ``sink`` and lets the gradient through."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, inp: Tensor, sink: Callable[[Tensor, Tensor], None]) -> Tensor:
+        ctx.save_for_backward(inp)
+        ctx.sink = sink
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (inp,) = ctx.saved_tensors
+        ctx.sink(inp, grad)
+        return grad, None, None
+
+
+class Recording:
+    """Per-example gradients of one micro-batch, filled in by the taps during its backward pass.
+
+    ``stacked[i] = [g_WB (k, b, m, r), g_WA_T (k, b, n, r) or None]`` for stack ``stacks[i]``, allocated when the
+    first gradient of the stack arrives; ``dense[j]`` per dense parameter (b, *p.shape).
+    """
+
+    def __init__(self, sampler: GradSampler):
+        self.sampler = sampler
+        self.stacked: list[list[Tensor | None]] = [[None, None] for _ in sampler.stacks]
+        self.written: list[list[bool]] = [[False, False] for _ in sampler.pairs]  # per pair: (lora_B, lora_A)
+        self.dense: list[Tensor | None] = [None] * len(sampler.dense_params)
+
+    def lora_sink(self, k: int, part: int) -> Callable[[Tensor, Tensor], None]:
+        """``part`` 0: lora_B (input h, output gradient dy -> dy^T h); 1: lora_A (input x, gradient dh -> x^T dh)."""
+        sampler = self.sampler
+        i, j = sampler.position[k]
+        m, n, r = sampler.pairs[k].shape
+
+        def sink(inp: Tensor, grad: Tensor) -> None:
+            g, a = _flat(_work(grad)), _flat(_work(inp))
+            dt = torch.promote_types(g.dtype, a.dtype)
+            g, a = g.to(dt), a.to(dt)
+            stack = self.stacked[i]
+            if stack[part] is None:
+                rows = m if part == 0 else n
+                stack[part] = torch.empty(len(sampler.stacks[i]), g.shape[0], rows, r, dtype=dt, device=g.device)
+            left, right = (g.mT, a) if part == 0 else (a.mT, g)  # dy^T h (b, m, r) / x^T dh (b, n, r)
+            if self.written[k][part]:  # a second call of the module in this forward: its contributions add up
+                stack[part][j].add_(torch.bmm(left, right))
+            else:
+                torch.bmm(left, right, out=stack[part][j])
+            self.written[k][part] = True
+
+        return sink
+
+    def dense_sink(self, j: int) -> Callable[[Tensor, Tensor], None]:
+        from opacus.grad_sample import GradSampleModule
+
+        module, params = self.sampler.dense[j]
+        first = self.sampler.dense_offsets[j]
+
+        def sink(inp: Tensor, grad: Tensor) -> None:
+            got = GradSampleModule.GRAD_SAMPLERS[type(module)](module, [_work(inp)], _work(grad))
+            for q, p in enumerate(params):
+                slot = first + q
+                if self.dense[slot] is None:
+                    self.dense[slot] = got[p]
+                else:
+                    self.dense[slot].add_(got[p])
+
+        return sink
+
+    def grads(self) -> PerExampleGrads:
+        """The per-example gradients of the finished forward and backward pass."""
+        sampler = self.sampler
+        for k, pair in enumerate(sampler.pairs):
+            if not self.written[k][0] or (pair.trains_A and not self.written[k][1]):
+                raise RuntimeError(
+                    f"no per-example gradient was recorded for LoRA module {pair.name!r}: run the forward and "
+                    "backward pass inside `with sampler.record():` (or armed) with the LoRA adapter active, and "
+                    "backpropagate a loss that depends on the module"
+                )
+        for j, g in enumerate(self.dense):
+            if g is None:
+                raise RuntimeError(f"no per-example gradient was recorded for dense parameter {j} "
+                                   f"({type(sampler.dense[0][0]).__name__})")
+        lora: list = [None] * len(sampler.pairs)
+        stacked = []
+        for i, idx in enumerate(sampler.stacks):
+            buf_b, buf_a = self.stacked[i]
+            stacked.append((buf_b, buf_a))
+            for j, k in enumerate(idx):
+                lora[k] = (buf_b[j], buf_a[j] if buf_a is not None else None)
+        batch = int(stacked[0][0].shape[1])
+        return PerExampleGrads(batch_size=batch, lora=lora, dense=list(self.dense), stacks=sampler.stacks,
+                               stacked=stacked)
 
 
 class GradSampler:
-    """Hooks that record what per-example gradients need, for LoRA pairs and dense trainable layers.
+    """Taps that compute per-example gradients for LoRA pairs and dense trainable layers.
 
     Usage, scoped::
 
@@ -105,59 +245,54 @@ class GradSampler:
         per_example_losses(model, batch).sum().backward()
         grads = sampler.collect()   # and re-armed for the next micro-batch
 
-    Forward passes under ``torch.no_grad()`` (evaluation) are never recorded.
+    Forward passes under ``torch.no_grad()`` (evaluation) are never recorded.  :meth:`close` removes the hooks.
     """
 
     def __init__(self, model: nn.Module, pairs: list[LoraPair]):
         self.pairs = pairs
         self.stacks = stack_by_shape(pairs)
+        self.position = {k: (i, j) for i, idx in enumerate(self.stacks) for j, k in enumerate(idx)}
         self.dense = dense_trainable_modules(model, pairs)
         self.dense_params = [p for _, ps in self.dense for p in ps]
+        self.dense_offsets = [sum(len(ps) for _, ps in self.dense[:j]) for j in range(len(self.dense))]
         self._rec: Recording | None = None
         self._handles = []
         for k, pair in enumerate(pairs):
             if pair.trains_A:  # a frozen lora_A needs no per-example gradient
-                self._handles.append(pair.lora_A.register_forward_hook(self._hook(k, "lora_x", "lora_dh")))
-            self._handles.append(pair.lora_B.register_forward_hook(self._hook(k, "lora_h", "lora_dy")))
+                self._tap(pair.lora_A, lambda rec, k=k: rec.lora_sink(k, 1))
+            self._tap(pair.lora_B, lambda rec, k=k: rec.lora_sink(k, 0))
         for j, (module, _) in enumerate(self.dense):
-            self._handles.append(module.register_forward_hook(self._hook(j, "dense_x", "dense_dy")))
+            self._tap(module, lambda rec, j=j: rec.dense_sink(j))
 
-    def _hook(self, index: int, act_slot: str, grad_slot: str):
+    def _tap(self, module: nn.Module, make_sink: Callable[[Recording], Callable]) -> None:
         def forward_hook(module, inputs, output):
             rec = self._rec
-            if rec is None or not torch.is_grad_enabled():
-                return
-            acts = getattr(rec, act_slot)
-            if acts[index] is not None:
-                raise LoraSetupError(
-                    f"{type(module).__name__} was called twice in one forward pass (shared weights or gradient "
-                    "checkpointing); per-example gradients for reused layers are not supported. Fix: disable "
-                    "gradient checkpointing / weight sharing for the trained layers."
-                )
-            acts[index] = inputs[0].detach()
+            if rec is None or not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
+                return None
+            return _Tap.apply(output, inputs[0], make_sink(rec))
 
-            def grad_hook(grad):
-                getattr(rec, grad_slot)[index] = grad.detach()
-
-            if output.requires_grad:
-                output.register_hook(grad_hook)
-
-        return forward_hook
+        # first among the module's forward hooks: the tap sees the module's own output (float32 for a head run in
+        # float32 inside a half-precision model, before it is cast back)
+        self._handles.append(module.register_forward_hook(forward_hook, prepend=True))
 
     @contextlib.contextmanager
     def record(self) -> Iterator[Recording]:
         if self._rec is not None:
             raise RuntimeError("GradSampler.record() is already active")
-        rec = Recording(len(self.pairs), len(self.dense))
+        rec = Recording(self)
         self._rec = rec
         try:
             yield rec
         finally:
             self._rec = None
 
+    @property
+    def armed(self) -> bool:
+        return self._rec is not None
+
     def arm(self) -> None:
         """Record every grad-enabled forward pass until :meth:`disarm`."""
-        self._rec = Recording(len(self.pairs), len(self.dense))
+        self._rec = Recording(self)
 
     def disarm(self) -> None:
         self._rec = None
@@ -168,49 +303,14 @@ class GradSampler:
             raise RuntimeError("GradSampler.collect() needs arm() first")
         rec = self._rec
         self.arm()
-        return self.grads(rec)
+        return rec.grads()
 
     def grads(self, rec: Recording) -> PerExampleGrads:
-        """Per-example gradients from a finished recording (forward and backward done).
-
-        Pairs of equal shape are written straight into one (k, b, m, r) buffer per stack (one batched matmul per pair,
-        no copies), which PRISM consumes as a whole.
-        """
-        for k, pair in enumerate(self.pairs):
-            if rec.lora_dy[k] is None or (pair.trains_A and (rec.lora_x[k] is None or rec.lora_dh[k] is None)):
-                raise RuntimeError(
-                    f"no activations/gradients were recorded for LoRA module {pair.name!r}: run the forward and "
-                    "backward pass inside `with sampler.record():` with the LoRA adapter active"
-                )
-        lora: list = [None] * len(self.pairs)
-        stacked = []
-        batch = _flat(rec.lora_dy[0]).shape[0]
-        for idx in self.stacks:
-            first = self.pairs[idx[0]]
-            m, n, r = first.shape
-            dt, dev = rec.lora_dy[idx[0]].dtype, rec.lora_dy[idx[0]].device
-            buf_b = torch.empty(len(idx), batch, m, r, dtype=dt, device=dev)
-            buf_a = torch.empty(len(idx), batch, n, r, dtype=dt, device=dev) if first.trains_A else None
-            for j, k in enumerate(idx):
-                dy, h = _flat(rec.lora_dy[k]), _flat(rec.lora_h[k]).to(dt)
-                torch.bmm(dy.mT, h, out=buf_b[j])  # sum_t d_t h_t^T        (b, m, r)
-                if buf_a is not None:
-                    x, dh = _flat(rec.lora_x[k]).to(dt), _flat(rec.lora_dh[k]).to(dt)
-                    torch.bmm(x.mT, dh, out=buf_a[j])  # sum_t x_t (W_B^T d_t)^T  (b, n, r)
-                lora[k] = (buf_b[j], buf_a[j] if buf_a is not None else None)
-            stacked.append((buf_b, buf_a))
-        dense = []
-        from opacus.grad_sample import GradSampleModule
-
-        for j, (module, params) in enumerate(self.dense):
-            x, dy = rec.dense_x[j], rec.dense_dy[j]
-            if x is None or dy is None:
-                raise RuntimeError(f"no activations/gradients were recorded for dense module {type(module).__name__}")
-            got = GradSampleModule.GRAD_SAMPLERS[type(module)](module, [x], dy)
-            dense.extend(got[p] for p in params)
-        return PerExampleGrads(batch_size=int(batch), lora=lora, dense=dense, stacks=self.stacks, stacked=stacked)
+        """Per-example gradients from a finished recording (forward and backward done)."""
+        return rec.grads()
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._rec = None

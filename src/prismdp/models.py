@@ -33,6 +33,7 @@ __all__ = [
     "default_encoder_path",
     "default_causal_lm",
     "load_model",
+    "enable_gradient_checkpointing",
 ]
 
 TASK_TYPES = ("seq_cls", "causal_lm")
@@ -238,3 +239,16 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
     _ensure_pad(model, tokenizer, task_type, what)
     model.eval()
     return model, tokenizer
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """transformers' gradient checkpointing (non-re-entrant) on the Hugging Face model inside ``model`` (a PEFT model,
+    or prismdp's mean-pooling head around an encoder).  Per-example gradients stay exact in this mode
+    (:mod:`prismdp.grad_sample`)."""
+    from transformers import PreTrainedModel
+
+    hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    if hf is None or not getattr(hf, "supports_gradient_checkpointing", False):
+        raise ModelLoadError(f"{type(hf or model).__name__} does not support gradient checkpointing in transformers; "
+                             "train without --gradient-checkpointing")
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

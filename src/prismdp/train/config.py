@@ -61,6 +61,11 @@ class TrainConfig:
     head_lr: float | None = _opt(None, "learning rate of the trainable non-LoRA parameters (an encoder's new head; "
                                        "default --lr)")
     device: str = _opt("auto", "auto (default: cuda if available, else cpu), cpu, cuda, cuda:N or mps")
+    dtype: str = _opt("float32", "dtype of the frozen base model; the LoRA factors, a new head, per-example "
+                                 "gradients, clipping, noise and the optimizer stay float32",
+                      choices=("float32", "bfloat16", "float16"))
+    gradient_checkpointing: bool = _opt(False, "recompute each transformer block in the backward pass (less memory, "
+                                               "about one more forward of compute; per-example gradients exact)")
     pooling: str = _opt("model", "encoder tasks: the checkpoint's own head (model, default) or a new head on the "
                                  "masked mean of the last hidden states (mean: what sentence encoders such as "
                                  "all-MiniLM-L6-v2 were trained for)", choices=("model", "mean"))
@@ -181,6 +186,11 @@ class TrainConfig:
         """'math' for instruction tuning (the paper's Math-10K rates), 'demo' for the built-in task, 'glue' otherwise
         (glue8 trains at the GLUE rates)."""
         return {"instruct": "math", "synthetic": "demo"}.get(self.task, "glue")
+
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
 
     def torch_device(self):
         """The device the run trains on (``auto``: the first CUDA device if there is one, else the CPU)."""

@@ -22,7 +22,7 @@ from .. import code_version
 from ..atomic import atomic_path, write_json, write_text
 from ..engine import DEFAULT_LR, make_private
 from ..export import export_adapter
-from ..models import load_model
+from ..models import enable_gradient_checkpointing, load_model
 from ..privacy import report_steps
 from .config import ConfigError, TrainConfig
 from .profile import PeakMemory, run_step_times
@@ -97,7 +97,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
     torch.manual_seed(cfg.seed)  # seeds every CUDA device too
     device = cfg.torch_device()
     task_type, num_labels = task_head(cfg)
-    model, tokenizer = load_model(cfg.model, task_type, num_labels, pooling=cfg.pooling)
+    model, tokenizer = load_model(cfg.model, task_type, num_labels, dtype=cfg.torch_dtype(), pooling=cfg.pooling)
     data = build_task_data(cfg, tokenizer)
     for key, count in data.notes.items():
         if "truncated" in key or "masked" in key:
@@ -110,6 +110,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
     lora_cfg = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
                           exclude_modules=exclude, task_type="SEQ_CLS" if task_type == "seq_cls" else "CAUSAL_LM")
     model = get_peft_model(model, lora_cfg).to(device)
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     private = make_private(
         model, method=cfg.method, lr=lr, dataset_size=len(data.train), batch_size=cfg.batch_size, steps=cfg.steps,
         target_epsilon=cfg.epsilon if cfg.dp else None, delta=cfg.delta, max_grad_norm=cfg.max_grad_norm,
