@@ -120,6 +120,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig.from_dict(values, source=args.config if getattr(args, "config", None) else "flags")
     summary = train(cfg, resume=getattr(args, "resume", False), stop_after=getattr(args, "stop_after", None),
                     progress=not getattr(args, "quiet", False)).summary
+    if "rank" in summary:  # another process of a multi-process run: rank 0 reports
+        return 0
     if "interrupted_at" in summary:
         print(f"stopped after step {summary['interrupted_at']}; continue with --resume --output {cfg.output}")
         return 0
@@ -170,6 +172,7 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .distributed import PeerLostError, ReplicaDivergenceError
     from .models import ModelLoadError
     from .privacy import BudgetExhaustedError
     from .train.loop import RunExistsError
@@ -178,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"train": _cmd_train, "epsilon": _cmd_epsilon, "experiment": _cmd_experiment,
                 "diagnose": _cmd_diagnose}[args.command](args)
-    except (ValueError, ImportError, FileNotFoundError, BudgetExhaustedError, ModelLoadError, RunExistsError) as e:  # no traceback
+    except (ValueError, ImportError, FileNotFoundError, BudgetExhaustedError, ModelLoadError, RunExistsError,
+            PeerLostError, ReplicaDivergenceError) as e:  # no traceback
         print(f"prismdp {args.command}: error: {e}", file=sys.stderr)
         return 2
 

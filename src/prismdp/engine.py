@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
+from .distributed import World, current_world, shard_seed
 from .grad_sample import GradSampler, float32_trainables
 from .lora import LoraPair, RankRStart, find_lora_pairs, freeze_lora_A, move_to_rank_r_start
 from .optim import PRISM, dp_adamw, dp_ffa, dp_lamb, dp_lora_plus, dp_lora_rite
@@ -109,6 +110,7 @@ class PrivateLoRA:
     start: RankRStart | None
     delta: float
     accountant: str
+    world: World | None = None  # the process group of a multi-process run (prismdp.distributed)
     _seen: int = field(default=0, repr=False)
 
     @property
@@ -146,17 +148,36 @@ class PrivateLoRA:
     def step(self) -> dict[str, float]:
         """One optimizer step for the logical batch; returns its statistics (clip fraction, batch size, ...)."""
         if not self.private:
-            if self._seen:
+            seen = self._seen
+            if self.world is not None:  # the mean over every rank's examples
+                trained = [p for p in self.model.parameters() if p.requires_grad]
+                for p in trained:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                count = torch.tensor([float(seen)], dtype=torch.float64)
+                self.world.all_reduce_sum([p.grad for p in trained] + [count], "non-private gradient mean")
+                seen = int(count.item())
+            if seen:
                 for p in self.model.parameters():
                     if p.grad is not None:
-                        p.grad.div_(self._seen)
-            stats = {"batch_size": float(self._seen)}
+                        p.grad.div_(seen)
+            stats = {"batch_size": float(seen)}
             self._seen = 0
         self.optimizer.step()
         self.model.zero_grad(set_to_none=True)
         if self.private:
             stats = dict(self.optimizer.last_stats)
         return stats
+
+    def micro_steps(self, local: int) -> int:
+        """The number of micro-batches every rank runs for this logical step (the largest local count; a rank with
+        fewer runs empty ones): ranks agree even when a local Poisson batch is empty."""
+        return local if self.world is None else self.world.all_reduce_max(local, "micro-step count")
+
+    def check_replicas(self, step: int) -> None:
+        """Multi-process runs: fail loudly unless every rank holds the same trained tensors (no-op in one process)."""
+        if self.world is not None:
+            self.world.check_replicas([p for p in self.model.parameters() if p.requires_grad], step)
 
     @property
     def epsilon(self) -> float:
@@ -167,29 +188,40 @@ class PrivateLoRA:
             return {"private": False}
         rep = self.budget.report()
         rep.update(private=True, max_grad_norm=self.dp.max_grad_norm, method=self.method,
-                   expected_batch_size=self.dp.expected_batch_size)
+                   expected_batch_size=self.dp.expected_batch_size,
+                   world_size=1 if self.world is None else self.world.size)
         return rep
 
     # ------------------------------------------------------------------ checkpoints
 
+    def _rank_state(self) -> dict:
+        return {"data_sampler": self.data_sampler.state_dict(), "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
     def state_dict(self) -> dict:
         """Everything a resume needs, between two logical steps: the trained tensors, the optimizer state, the
-        mechanism (noise generator, budget), the data sampler, the rank-r start and the RNG states (dropout)."""
+        mechanism (noise generator, budget), the rank-r start, and per process the data sampler and the RNG states
+        (dropout).  In a multi-process run every rank must call it (it gathers the per-rank parts)."""
+        ranks = [self._rank_state()] if self.world is None else self.world.gather_objects(self._rank_state(),
+                                                                                             "checkpoint state")
         return {
             "method": self.method,
+            "world_size": 1 if self.world is None else self.world.size,
             "trainable": {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad},
             "optimizer": self.optimizer.state_dict(),
             "mechanism": self.mechanism.state_dict() if self.mechanism is not None else None,
-            "data_sampler": self.data_sampler.state_dict(),
             "start": self.start.state_dict() if self.start is not None else None,
-            "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "ranks": ranks,
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict` of the same run (same model, method and privacy settings)."""
         if state.get("method") != self.method:
             raise ValueError(f"the checkpoint was trained with method {state.get('method')!r}, not {self.method!r}")
+        size = 1 if self.world is None else self.world.size
+        if state.get("world_size", 1) != size:
+            raise ValueError(f"the checkpoint was written by a run of {state.get('world_size', 1)} process(es); resume "
+                             f"it with the same number (this run has {size})")
         if (state.get("mechanism") is None) != (self.mechanism is None):
             raise ValueError("the checkpoint's run was " + ("non-private" if state.get("mechanism") is None else
                                                              "private") + ", this one is not")
@@ -209,10 +241,11 @@ class PrivateLoRA:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.mechanism is not None:
             self.mechanism.load_state_dict(state["mechanism"])
-        self.data_sampler.load_state_dict(state["data_sampler"])
-        torch.set_rng_state(state["torch_rng"])
-        if state.get("cuda_rng") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        mine = state["ranks"][0 if self.world is None else self.world.rank]
+        self.data_sampler.load_state_dict(mine["data_sampler"])
+        torch.set_rng_state(mine["torch_rng"])
+        if mine.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(mine["cuda_rng"])
         self._seen = 0
 
 
@@ -234,6 +267,7 @@ def make_private(
     adapter: str = "default",
     dense_lr: float | None = None,
     start: RankRStart | None = None,
+    world: World | None = None,
     **method_kwargs,
 ) -> PrivateLoRA:
     """Validate the model, calibrate sigma for exactly ``steps`` Poisson steps and build the optimizer.
@@ -243,7 +277,10 @@ def make_private(
     neither gives a non-private run with the same geometry.  ``dense_lr`` sets the learning rate of the trainable
     non-LoRA parameters (e.g. a new classification head; default ``lr``).  ``start``: the pairs were already moved
     to this rank-r start (:func:`~prismdp.lora.move_to_rank_r_start`, e.g. to change their gauge first); it is kept
-    for the export instead of moving them again.  Every check runs before any noise is drawn.
+    for the export instead of moving them again.  ``world``: the process group of a multi-process run (default:
+    the initialised default group, if it has more than one process; see :mod:`prismdp.distributed`): each process
+    calls ``make_private`` with the same arguments on its copy of the model.  Every check runs before any noise is
+    drawn.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {sorted(METHODS)}")
@@ -269,14 +306,20 @@ def make_private(
         dp = DPConfig(float(noise_multiplier), float(max_grad_norm), float(batch_size))
         budget = PrivacyBudget(dp.noise_multiplier, q, delta, target_epsilon=target_epsilon, accountant=accountant)
         budget.check_step(steps)  # the whole run fits in the budget, or fail now
-    base_seed = seed if seed is not None else secrets.randbits(62)  # no seed: fresh OS entropy
+    world = world if world is not None else current_world()
+    if world is not None:  # one shared noise stream (rank 0's seed), one sampling stream per rank
+        base_seed = world.shared_seed(seed)
+        data_gen = torch.Generator().manual_seed(shard_seed(base_seed + 1, world.rank))
+    else:
+        base_seed = seed if seed is not None else secrets.randbits(62)  # no seed: fresh OS entropy
+        data_gen = torch.Generator().manual_seed(base_seed + 1)
     device = pairs[0].lora_A.weight.device
     mechanism = None
     if dp is not None:
         gen = torch.Generator(device=device)
         gen.manual_seed(base_seed)
-        mechanism = GaussianMechanism(dp, generator=gen, budget=budget, device=device)
-    data_gen = torch.Generator().manual_seed(base_seed + 1)
+        mechanism = GaussianMechanism(dp, generator=gen, budget=budget, device=device,
+                                      reduce=world.all_reduce_sum if world is not None else None)
     if start is None and spec.rank_r_start:
         start = move_to_rank_r_start(pairs, init=init, generator=torch.Generator().manual_seed(base_seed + 2))
     optimizer = spec.build(pairs, grad_sampler.dense_params, lr=lr, mechanism=mechanism, **method_kwargs)
@@ -284,6 +327,7 @@ def make_private(
         set_dense_lr(optimizer, grad_sampler.dense_params, dense_lr)
     if mechanism is not None:
         grad_sampler.arm()
-    data_sampler = PoissonSampler(dataset_size, q, steps, generator=data_gen)
+    data_sampler = PoissonSampler(dataset_size, q, steps, generator=data_gen,
+                                  shard=(world.rank, world.size) if world is not None else (0, 1))
     return PrivateLoRA(model, method, pairs, grad_sampler, optimizer, mechanism, data_sampler, start, delta,
-                       accountant)
+                       accountant, world)

@@ -18,6 +18,7 @@ from torch import nn
 from ..grad_sample import PerExampleGrads
 from ..lora import LoraPair
 from ..privacy.mechanism import Euclidean, GaussianMechanism, PerExample
+from .adam import working_dtype
 from .hooks import StepHooks, StepRecord
 
 __all__ = ["DPFactorOptimizer", "dp_adamw"]
@@ -39,7 +40,9 @@ class DPFactorOptimizer:
         self.dense_params = list(dense_params)
         self.mechanism = mechanism
         self._hooks = StepHooks()
-        self.coords = Euclidean([p.shape for p in self.params], torch.float32, [p.device for p in self.params])
+        # clipped sums and noise in the working dtype: float32 (float64 for a float64 model)
+        self.dtype = working_dtype(self.params[0].dtype)
+        self.coords = Euclidean([p.shape for p in self.params], self.dtype, [p.device for p in self.params])
         covered = {id(p) for p in self.params}
         stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in covered and p.requires_grad]
         if stray:
@@ -73,10 +76,10 @@ class DPFactorOptimizer:
         # lora_A's per-example gradient arrives transposed (n, r)
         tensors: list[PerExample] = []
         for pair, (g_wb, g_wa_t) in zip(self.pairs, grads.lora):
-            tensors.append(PerExample(g_wb.float()))
+            tensors.append(PerExample(g_wb.to(self.dtype)))
             if pair.trains_A:
-                tensors.append(PerExample(g_wa_t.float(), transpose=True))
-        tensors += [PerExample(g.float()) for g in grads.dense]
+                tensors.append(PerExample(g_wa_t.to(self.dtype), transpose=True))
+        tensors += [PerExample(g.to(self.dtype)) for g in grads.dense]
         sq = sum(t.values.flatten(1).square().sum(1) for t in tensors)
         self.mechanism.accumulate(sq, tensors, self.coords)
 

@@ -27,10 +27,15 @@ class PoissonSampler:
     place) or None (a fresh, non-deterministically seeded one). The sampler is a fixed schedule: iterating
     continues from the current step and ends after ``steps`` batches in total; :meth:`state_dict` and
     :meth:`load_state_dict` resume it mid-run with exactly the batches an uninterrupted run would produce.
+
+    ``shard=(rank, world_size)``: the sampler of one process of a multi-process run draws the inclusion of its own
+    examples ``rank, rank + world_size, ...`` only (with its own generator, independent of the other ranks'); the
+    union over the ranks is one Poisson sample of the whole dataset, and the expected batch size stays q N.
     """
 
     def __init__(
-        self, dataset_size: int, sample_rate: float, steps: int, generator: int | torch.Generator | None = None
+        self, dataset_size: int, sample_rate: float, steps: int, generator: int | torch.Generator | None = None,
+        shard: tuple[int, int] = (0, 1),
     ) -> None:
         if isinstance(dataset_size, bool) or not isinstance(dataset_size, numbers.Integral) or dataset_size < 1:
             raise ValueError(f"dataset_size must be an integer >= 1, got {dataset_size!r}")
@@ -38,7 +43,11 @@ class PoissonSampler:
             raise ValueError(f"sample_rate must be a probability in (0, 1], got {sample_rate!r}")
         if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
             raise ValueError(f"steps must be an integer >= 0, got {steps!r}")
+        rank, world = shard
+        if not 0 <= rank < world:
+            raise ValueError(f"shard must be (rank, world_size) with 0 <= rank < world_size, got {shard!r}")
         self.dataset_size, self.sample_rate, self.steps = int(dataset_size), float(sample_rate), int(steps)
+        self.shard = (int(rank), int(world))
         self.step = 0  # batches produced so far
         self.generator = _make_generator(generator)
 
@@ -52,11 +61,13 @@ class PoissonSampler:
         return self.steps - self.step
 
     def __iter__(self) -> Iterator[Tensor]:
+        rank, world = self.shard
+        owned = len(range(rank, self.dataset_size, world))
         while self.step < self.steps:
             # float64 uniforms: inclusion probability equals q up to 2^-53
-            u = torch.rand(self.dataset_size, generator=self.generator, dtype=torch.float64)
+            u = torch.rand(owned, generator=self.generator, dtype=torch.float64)
             self.step += 1
-            yield torch.nonzero(u < self.sample_rate).flatten()
+            yield torch.nonzero(u < self.sample_rate).flatten() * world + rank
 
     def state_dict(self) -> dict[str, Any]:
         """Step counter and generator state, for checkpoints."""
@@ -64,14 +75,16 @@ class PoissonSampler:
             "dataset_size": self.dataset_size,
             "sample_rate": self.sample_rate,
             "steps": self.steps,
+            "shard": self.shard,
             "step": self.step,
             "generator_state": self.generator.get_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`; the schedule (dataset_size, sample_rate, steps) must match."""
-        for key in ("dataset_size", "sample_rate", "steps"):
-            if state.get(key) != getattr(self, key):
+        saved = {**state, "shard": tuple(state.get("shard", (0, 1)))}
+        for key in ("dataset_size", "sample_rate", "steps", "shard"):
+            if saved.get(key) != getattr(self, key):
                 raise ValueError(
                     f"sampler checkpoint has {key}={state.get(key)!r} but this sampler has {getattr(self, key)!r}"
                 )

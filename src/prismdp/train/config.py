@@ -192,10 +192,13 @@ class TrainConfig:
 
         return getattr(torch, self.dtype)
 
-    def torch_device(self):
-        """The device the run trains on (``auto``: the first CUDA device if there is one, else the CPU)."""
+    def torch_device(self, world=None):
+        """The device the run trains on (``auto``: the first CUDA device if there is one, else the CPU; in a
+        multi-process run on GPUs, each process's own ``cuda:LOCAL_RANK``)."""
         import torch
 
+        if world is not None and world.backend == "nccl":
+            return world.device
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)

@@ -10,25 +10,24 @@ private training data and are *not* covered by the DP guarantee: keep them with 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, get_peft_model
 
 from .. import code_version
 from ..atomic import atomic_path, write_json, write_text
-from ..engine import DEFAULT_LR, make_private
+from ..distributed import init_from_env
 from ..export import export_adapter
-from ..models import enable_gradient_checkpointing, load_model
 from ..privacy import report_steps
+from .build import build_run
 from .config import ConfigError, TrainConfig
 from .profile import PeakMemory, run_step_times
 from .step import backward_batch
-from .tasks import (build_task_data, default_targets, evaluate_classification, lora_exclude_modules,
-                    task_head)
+from .tasks import evaluate_classification
 
 __all__ = ["train", "TrainResult", "RunExistsError"]
 
@@ -64,22 +63,26 @@ def _check_resume(cfg: TrainConfig, ckpt: dict) -> None:
         raise ConfigError(f"--resume with a different configuration ({detail}); resume with the original settings")
 
 
-def _default_lr(cfg: TrainConfig) -> float:
-    table = DEFAULT_LR[cfg.task_family]
-    if cfg.method not in table:
-        raise ConfigError(f"lr: no default learning rate for method {cfg.method!r}; pass --lr")
-    return table[cfg.method]
-
-
 def _progress(total: int, initial: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, disable=not enabled, desc="train", unit="step", dynamic_ncols=True)
 
 
+REPLICA_CHECK_EVERY = 10  # multi-process runs compare the ranks' trained tensors this often (and at checkpoints)
+
+
 def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = None, progress: bool = True,
           log=print) -> TrainResult:
-    """Run (or resume) one training job; returns the final summary (privacy report and evaluation)."""
+    """Run (or resume) one training job; returns the final summary (privacy report and evaluation).
+
+    Under ``torchrun`` (or in an initialised process group) every process runs this with the same configuration: they
+    train one private run together (:mod:`prismdp.distributed`); rank 0 alone writes files, shows progress and
+    evaluates."""
+    world = init_from_env()
+    main = world is None or world.main
+    if not main:
+        progress, log = False, (lambda *a, **k: None)
     out = Path(cfg.output)
     ckpt_path, metrics_path = out / "checkpoint.pt", out / "metrics.jsonl"
     ckpt = None
@@ -88,68 +91,55 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
             raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}; start the run without --resume")
         ckpt = torch.load(ckpt_path, weights_only=False)
         _check_resume(cfg, ckpt)
-    elif ckpt_path.exists() or metrics_path.exists():
+    elif main and (ckpt_path.exists() or metrics_path.exists()):
         raise RunExistsError(f"{out} already holds a run (checkpoint.pt / metrics.jsonl); pass --resume to continue "
                              "it or choose another --output")
-    out.mkdir(parents=True, exist_ok=True)
-    lr = cfg.lr if cfg.lr is not None else _default_lr(cfg)
-
-    torch.manual_seed(cfg.seed)  # seeds every CUDA device too
-    device = cfg.torch_device()
-    task_type, num_labels = task_head(cfg)
-    model, tokenizer = load_model(cfg.model, task_type, num_labels, dtype=cfg.torch_dtype(), pooling=cfg.pooling)
-    data = build_task_data(cfg, tokenizer)
-    for key, count in data.notes.items():
-        if "truncated" in key or "masked" in key:
-            if count:
-                log(f"[prismdp] {key}: {count} example(s) (max_length={cfg.max_length})")
-    for name, reason in data.gen_eval_missing.items():
-        log(f"[prismdp] eval set {name} is missing (reported in summary.json): {reason}")
-    targets = cfg.target_modules or default_targets(model)
-    exclude = lora_exclude_modules(model)  # vision tower etc. of a multimodal checkpoint: text-only training
-    lora_cfg = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-                          exclude_modules=exclude, task_type="SEQ_CLS" if task_type == "seq_cls" else "CAUSAL_LM")
-    model = get_peft_model(model, lora_cfg).to(device)
-    if cfg.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    private = make_private(
-        model, method=cfg.method, lr=lr, dataset_size=len(data.train), batch_size=cfg.batch_size, steps=cfg.steps,
-        target_epsilon=cfg.epsilon if cfg.dp else None, delta=cfg.delta, max_grad_norm=cfg.max_grad_norm,
-        accountant=cfg.accountant, seed=cfg.seed, init=cfg.init, dense_lr=cfg.head_lr, **cfg.method_kwargs,
-    )
-    resolved = {**cfg.to_dict(), "lr": lr, "target_modules": targets, "dataset_size": len(data.train),
-                "torch_device": str(device),
-                "noise_multiplier": private.dp.noise_multiplier if private.dp else None,
-                "sample_rate": private.data_sampler.sample_rate, "data_notes": data.notes,
-                "lora_exclude_modules": exclude, "code_version": code_version()}
-    write_json(out / "config.json", resolved)
+    if world is not None:
+        world.barrier("start")  # rank 0 has checked the output folder
+    run = build_run(cfg, world=world, log=log)
+    model, private, data, device = run.model, run.private, run.data, run.device
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        resolved = {**cfg.to_dict(), "lr": run.lr, "target_modules": run.targets, "dataset_size": len(data.train),
+                    "torch_device": str(device), "world_size": 1 if world is None else world.size,
+                    "noise_multiplier": private.dp.noise_multiplier if private.dp else None,
+                    "sample_rate": private.data_sampler.sample_rate, "data_notes": data.notes,
+                    "lora_exclude_modules": run.exclude, "code_version": code_version()}
+        write_json(out / "config.json", resolved)
 
     step = 0
     if ckpt is not None:
         private.load_state_dict(ckpt["private"])
         step = ckpt["step"]
-        kept = [ln for ln in metrics_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step] \
-            if metrics_path.exists() else []
-        write_text(metrics_path, "".join(ln + "\n" for ln in kept))
+        if main:
+            kept = [ln for ln in metrics_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step] \
+                if metrics_path.exists() else []
+            write_text(metrics_path, "".join(ln + "\n" for ln in kept))
         log(f"[prismdp] resumed from step {step}")
 
-    pad_id = tokenizer.pad_token_id
+    pad_id = run.tokenizer.pad_token_id
     model.train()
     bar = _progress(cfg.steps, step, progress)
     shown = report_steps(cfg.steps)  # epsilon costs an accountant call: shown at 8 steps, not every step
     eps_shown = "-"
     peak = PeakMemory(device).start()  # the training steps' peak (loading and evaluation excluded)
-    with open(metrics_path, "a") as metrics:
+    with (open(metrics_path, "a") if main else contextlib.nullcontext()) as metrics:
         for batch in private.batches():
             t0 = time.perf_counter()
             loss_sum, n = backward_batch(private, model, data.train, data.loss, batch, cfg.micro_batch_size, pad_id,
                                          device, cfg.group_by_length)
             stats = private.step()
             step += 1
+            if world is not None:  # the logged loss is the global batch's
+                total = torch.tensor([loss_sum, float(n)], dtype=torch.float64)
+                world.all_reduce_sum([total], "training loss")
+                loss_sum, n = float(total[0]), int(total[1])
+                if step % REPLICA_CHECK_EVERY == 0:
+                    private.check_replicas(step)
             record = {
                 "step": step,
                 "loss": loss_sum / n if n else None,
-                "epsilon": private.epsilon if private.private and step in shown else None,
+                "epsilon": private.epsilon if private.private and step in shown and main else None,
                 "clip_fraction": stats.get("clip_fraction"),
                 "clip_coef_mean": stats.get("clip_coef_mean"),
                 "nonfinite": stats.get("nonfinite"),
@@ -157,8 +147,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
                 "lr": private.optimizer.param_groups[0]["lr"],
                 "step_time_s": time.perf_counter() - t0,
             }
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
+            if main:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
             if record["epsilon"] is not None:
                 eps_shown = f"{record['epsilon']:.2f}@{step}"
             bar.set_postfix(loss=f"{record['loss']:.4f}" if n else "-", eps=eps_shown,
@@ -166,17 +157,29 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
                             s=f"{record['step_time_s']:.2f}")
             bar.update(1)
             if step % cfg.checkpoint_every == 0 or step == cfg.steps or step == stop_after:
-                _save_torch(ckpt_path, _checkpoint(private, step, cfg))
+                private.check_replicas(step)
+                state = _checkpoint(private, step, cfg)  # collective in a multi-process run
+                if main:
+                    _save_torch(ckpt_path, state)
             if stop_after is not None and step >= stop_after and step < cfg.steps:
                 bar.close()
-                return TrainResult({"interrupted_at": step}, model, tokenizer)
+                return TrainResult({"interrupted_at": step}, model, run.tokenizer)
     bar.close()
+    if not main:
+        return TrainResult({"steps": step, "rank": world.rank}, model, run.tokenizer)
+    return TrainResult(_finish(run, step, peak, progress), model, run.tokenizer)
 
+
+def _finish(run, step: int, peak: PeakMemory, progress: bool) -> dict:
+    """Privacy report, evaluation, adapter export and summary.json (rank 0)."""
+    cfg, model, private, data = run.cfg, run.model, run.private, run.data
+    out, pad_id = Path(cfg.output), run.tokenizer.pad_token_id
     model.eval()
-    summary: dict = {"steps": step, "train": {**run_step_times(metrics_path), **peak.read(), "device": str(device)}}
+    summary: dict = {"steps": step, "train": {**run_step_times(out / "metrics.jsonl"), **peak.read(),
+                                              "device": str(run.device)}}
     privacy = private.privacy_report()
     privacy.update(dataset_size=len(data.train), max_grad_norm=cfg.max_grad_norm if cfg.dp else None,
-                   method=cfg.method)
+                   method=cfg.method, world_size=1 if run.world is None else run.world.size)
     write_json(out / "privacy.json", privacy)
     summary["privacy"] = privacy
     t_eval = time.perf_counter()
@@ -185,7 +188,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
     if data.gen_eval_sets:
         from ..eval.generation import run_eval_sets
 
-        evals.update(run_eval_sets(model, tokenizer, data.gen_eval_sets, batch_size=cfg.eval_batch_size,
+        evals.update(run_eval_sets(model, run.tokenizer, data.gen_eval_sets, batch_size=cfg.eval_batch_size,
                                    max_new_tokens=cfg.max_new_tokens, aqua_rule=cfg.aqua_rule, progress=progress,
                                    generations_dir=out / "generations"))
     if evals:
@@ -197,7 +200,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
         summary["eval_time_s"] = time.perf_counter() - t_eval
     if data.gen_eval_missing:
         summary["eval_missing"] = data.gen_eval_missing
-    head = {"pooling": cfg.pooling, "num_labels": num_labels} if cfg.pooling != "model" else None
+    head = {"pooling": cfg.pooling, "num_labels": run.num_labels} if cfg.pooling != "model" else None
     export_adapter(model, private.pairs, private.start, out / "adapter", head=head)
     write_json(out / "summary.json", summary)
-    return TrainResult(summary, model, tokenizer)
+    return summary

@@ -40,7 +40,11 @@ def backward_batch(private, model, examples: Sequence[dict], loss_fn, indices, m
     is the caller's); returns the summed per-example loss and the number of examples (both private: not covered by
     the DP guarantee)."""
     loss_sum, n = 0.0, 0
-    for micro in micro_batches(indices, examples, micro_batch_size, group_by_length):
+    micros = list(micro_batches(indices, examples, micro_batch_size, group_by_length))
+    agreed = private.micro_steps(len(micros))  # every rank of a multi-process run runs as many (some empty)
+    for micro in micros + [[]] * (agreed - len(micros)):
+        if not micro:
+            continue  # an empty micro-batch: nothing to compute (no collective runs inside a micro-step)
         feats = pad_collate([examples[i] for i in micro], pad_id)
         losses = loss_fn(model(**model_inputs(feats, device)).logits, feats["labels"].to(device))
         private.backward(losses)

@@ -1,0 +1,160 @@
+"""Several processes, one private training run (``torch.distributed``: gloo on CPUs, NCCL on GPUs; ``torchrun``).
+
+The run stays the one-process mechanism, split by examples:
+
+* sampling: the global Poisson sample of rate q over all N examples. Rank r owns the examples ``r, r + W, ...`` and
+  draws their inclusion from its own stream (seeded from the run's root seed and r, so the ranks' draws are
+  independent); the expected batch is q N and the accountant uses q, as in one process.
+* clipping is per example, on the rank that holds it; the clipped sums (and the clipping statistics) are all-reduced
+  (SUM) once per logical step, through the mechanism's ``reduce`` hook;
+* noise: every rank draws the same Gaussian from one shared stream (seeded identically on every rank; unseeded runs
+  get rank 0's OS-drawn seed, broadcast) and adds it to the same global sum: the release carries one noise draw, not W.
+  Every rank then runs the same optimizer step on the same release, so PRISM's frames, retraction and Adam state stay
+  identical; :meth:`World.check_replicas` verifies it (a checksum of the trained tensors) and fails loudly otherwise.
+* no DDP: gradients the mechanism discards are never all-reduced.
+
+A failed collective (a process died, a connection dropped) raises :class:`PeerLostError` naming the step, instead of
+hanging until a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["World", "PeerLostError", "ReplicaDivergenceError", "current_world", "init_from_env", "shard_seed"]
+
+
+class PeerLostError(RuntimeError):
+    """A collective operation failed: another process of the run stopped or lost its connection."""
+
+
+class ReplicaDivergenceError(RuntimeError):
+    """The processes' copies of the trained tensors differ (they must stay identical)."""
+
+
+def shard_seed(root: int, rank: int) -> int:
+    """The seed of rank ``rank``'s sampling stream: distinct, independent streams derived from one root seed."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([int(root) % 2**63, int(rank)]).generate_state(1, np.uint64)[0] >> 1)
+
+
+class World:
+    """The process group of a run: rank, size and the few collectives the mechanism and the trainer need."""
+
+    def __init__(self, group=None):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.backend = dist.get_backend(group)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else \
+            torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def _run(self, what: str, fn):
+        try:
+            return fn()
+        except (RuntimeError, ValueError, OSError) as e:  # gloo/NCCL report a lost peer as RuntimeError subclasses
+            raise PeerLostError(
+                f"rank {self.rank} of {self.size}: the collective '{what}' failed ({type(e).__name__}: {e}). Another "
+                "process of the run stopped or lost its connection; this run cannot continue. Resume it from its last "
+                "checkpoint with the same number of processes.") from e
+
+    def all_reduce_sum(self, tensors: Sequence[Tensor], what: str = "sum") -> None:
+        """In-place SUM across ranks; tensors are grouped by dtype into one flat buffer each (one collective per
+        dtype), on the process group's device."""
+        by_dtype: dict = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for dtype, ts in by_dtype.items():
+            flat = torch.cat([t.reshape(-1).to(self.device) for t in ts])
+            self._run(what, lambda: self.dist.all_reduce(flat, group=self.group))
+            offset = 0
+            for t in ts:
+                n = t.numel()
+                t.copy_(flat[offset:offset + n].view_as(t))
+                offset += n
+
+    def all_reduce_max(self, value: int, what: str = "max") -> int:
+        t = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
+        self._run(what, lambda: self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.group))
+        return int(t.item())
+
+    def broadcast_int(self, value: int | None, what: str = "broadcast") -> int:
+        """Rank 0's ``value`` on every rank (rank 0 must pass one)."""
+        t = torch.tensor([int(value) if self.main else 0], dtype=torch.int64, device=self.device)
+        self._run(what, lambda: self.dist.broadcast(t, src=0, group=self.group))
+        return int(t.item())
+
+    def gather_objects(self, obj: Any, what: str = "gather") -> list:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        out = [None] * self.size
+        self._run(what, lambda: self.dist.all_gather_object(out, obj, group=self.group))
+        return out
+
+    def barrier(self, what: str = "barrier") -> None:
+        self._run(what, lambda: self.dist.barrier(group=self.group))
+
+    def check_replicas(self, tensors: Sequence[Tensor], step: int) -> None:
+        """Raise :class:`ReplicaDivergenceError` unless every rank holds the same ``tensors`` (float64 checksums: the
+        sum and the sum of squares, compared exactly across ranks)."""
+        with torch.no_grad():
+            acc = torch.zeros(2, dtype=torch.float64, device=self.device)
+            for t in tensors:
+                t64 = t.detach().to(self.device, torch.float64)
+                acc[0] += t64.sum()
+                acc[1] += t64.square().sum()
+        lo, hi = acc.clone(), acc.clone()
+        self._run("replica checksum", lambda: self.dist.all_reduce(lo, op=self.dist.ReduceOp.MIN, group=self.group))
+        self._run("replica checksum", lambda: self.dist.all_reduce(hi, op=self.dist.ReduceOp.MAX, group=self.group))
+        if not torch.equal(lo, hi):
+            raise ReplicaDivergenceError(
+                f"after step {step} the processes' trained tensors differ (checksums from {lo.tolist()} to "
+                f"{hi.tolist()}); every rank must apply the same release. Check that all ranks run the same code, "
+                "model, seed and settings.")
+
+    def shared_seed(self, seed: int | None) -> int:
+        """One seed for every rank: ``seed`` if given (it must be the same everywhere), else rank 0's OS entropy."""
+        chosen = self.broadcast_int(seed if seed is not None else secrets.randbits(62) if self.main else None,
+                                    "shared seed")
+        if seed is not None and chosen != seed:
+            raise ValueError(f"rank {self.rank} was given seed {seed} but rank 0 has {chosen}; give every process "
+                             "the same seed")
+        return chosen
+
+
+def current_world() -> World | None:
+    """The default process group as a :class:`World` if one with more than one process is initialised, else None."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return World()
+    return None
+
+
+def init_from_env(timeout_s: float = 600.0) -> World | None:
+    """Initialise the default process group from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``MASTER_ADDR``/``PORT``): NCCL with one GPU per process (``cuda:LOCAL_RANK``) when CUDA is available, else gloo.
+    Returns None outside torchrun or for a single process."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    if not dist.is_initialized():
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    return current_world()

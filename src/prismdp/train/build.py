@@ -1,0 +1,82 @@
+"""From a :class:`~prismdp.train.config.TrainConfig` to a ready run: the one place that loads the model and the task
+data, puts LoRA on the model and makes it private (``prismdp train``, the diagnostics, the audit and the benchmarks
+all build their runs here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from peft import LoraConfig, get_peft_model
+from torch import nn
+
+from ..distributed import World
+from ..engine import DEFAULT_LR, PrivateLoRA, make_private
+from ..models import enable_gradient_checkpointing, load_model
+from .config import ConfigError, TrainConfig
+from .tasks import TaskData, build_task_data, default_targets, lora_exclude_modules, task_head
+
+__all__ = ["Run", "build_lora_model", "build_run", "default_lr"]
+
+
+@dataclass
+class Run:
+    cfg: TrainConfig
+    model: nn.Module  # the PEFT model
+    tokenizer: object
+    data: TaskData
+    private: PrivateLoRA
+    lr: float
+    targets: list[str]
+    exclude: str | None  # PEFT exclude_modules (a multimodal model's vision tower)
+    device: torch.device
+    num_labels: int | None
+    world: World | None = None
+
+
+def default_lr(cfg: TrainConfig) -> float:
+    table = DEFAULT_LR[cfg.task_family]
+    if cfg.method not in table:
+        raise ConfigError(f"lr: no default learning rate for method {cfg.method!r}; pass --lr")
+    return table[cfg.method]
+
+
+def build_lora_model(cfg: TrainConfig, model: nn.Module, task_type: str) -> tuple[nn.Module, list[str], str | None]:
+    """``get_peft_model`` with the run's LoRA settings (targets default per model family; a multimodal model's
+    non-text towers excluded); returns the PEFT model, the targets and the exclusion pattern."""
+    targets = cfg.target_modules or default_targets(model)
+    exclude = lora_exclude_modules(model)  # vision tower etc. of a multimodal checkpoint: text-only training
+    lora_cfg = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+                          exclude_modules=exclude, task_type="SEQ_CLS" if task_type == "seq_cls" else "CAUSAL_LM")
+    return get_peft_model(model, lora_cfg), targets, exclude
+
+
+def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, **make_private_kwargs) -> Run:
+    """Load the model and data of ``cfg``, put LoRA on it and make it private (``make_private_kwargs`` go to
+    :func:`~prismdp.engine.make_private`, e.g. ``start=``)."""
+    lr = cfg.lr if cfg.lr is not None else default_lr(cfg)
+    torch.manual_seed(cfg.seed)  # the same initial model on every rank (seeds every CUDA device too)
+    device = cfg.torch_device(world)
+    task_type, num_labels = task_head(cfg)
+    model, tokenizer = load_model(cfg.model, task_type, num_labels, dtype=cfg.torch_dtype(), pooling=cfg.pooling)
+    data = build_task_data(cfg, tokenizer)
+    for key, count in data.notes.items():
+        if ("truncated" in key or "masked" in key) and count:
+            log(f"[prismdp] {key}: {count} example(s) (max_length={cfg.max_length})")
+    for name, reason in data.gen_eval_missing.items():
+        log(f"[prismdp] eval set {name} is missing (reported in summary.json): {reason}")
+    model, targets, exclude = build_lora_model(cfg, model, task_type)
+    model = model.to(device)
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    private = make_private(
+        model, method=cfg.method, lr=lr, dataset_size=len(data.train), batch_size=cfg.batch_size, steps=cfg.steps,
+        target_epsilon=cfg.epsilon if cfg.dp else None, delta=cfg.delta, max_grad_norm=cfg.max_grad_norm,
+        accountant=cfg.accountant, seed=cfg.seed, init=cfg.init, dense_lr=cfg.head_lr, world=world,
+        **make_private_kwargs, **cfg.method_kwargs,
+    )
+    if world is not None:  # dropout masks: one stream per rank (the model itself is identical everywhere)
+        from ..distributed import shard_seed
+
+        torch.manual_seed(shard_seed(cfg.seed + 2, world.rank))
+    return Run(cfg, model, tokenizer, data, private, lr, targets, exclude, device, num_labels, world)

@@ -1,0 +1,108 @@
+"""Worker functions for tests/test_distributed.py (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+
+def _init(rank: int, world: int, init_file: str, timeout_s: float = 60.0):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    from prismdp.distributed import World
+
+    return World()
+
+
+def _batches(n_steps: int, dataset: int, seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nonzero(torch.rand(dataset, generator=g) < 0.3).flatten().tolist() for _ in range(n_steps)]
+
+
+def trajectory(rank: int, world_size: int, init_file: str, out: str, method: str, sigma: float) -> None:
+    """Train tiny_net in float64 on fixed logical batches (each rank its shard of every batch); save the factors
+    after every step (rank 0) and each rank's final checksum."""
+    try:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from helpers import net_batch, tiny_net
+
+        from prismdp.engine import make_private
+        from prismdp.losses import classification_losses
+
+        world = _init(rank, world_size, init_file) if world_size > 1 else None
+        X, Y = net_batch(40, seed=1, dtype=torch.float64)
+        X[3] *= 50  # clipped
+        model = tiny_net(seed=0, dtype=torch.float64)
+        private = make_private(model, method=method, lr=5e-2, dataset_size=40, batch_size=12, steps=10 ** 6,
+                               noise_multiplier=sigma, max_grad_norm=0.5, seed=7, world=world)
+        traj = []
+        for batch in _batches(6, 40):
+            mine = [i for i in batch if world is None or i % world.size == world.rank]
+            for k in range(0, len(mine), 3):
+                mb = mine[k:k + 3]
+                private.backward(classification_losses(model(X[mb]), Y[mb]))
+            private.step()
+            traj.append([p.detach().clone() for p in model.parameters() if p.requires_grad])
+        private.check_replicas(6)
+        if rank == 0:
+            torch.save(traj, out)
+    except Exception:  # noqa: BLE001
+        Path(out + f".err{rank}").write_text(traceback.format_exc())
+        raise
+
+
+def noise_only(rank: int, world_size: int, init_file: str, out: str, steps: int) -> None:
+    """DP-AdamW with no examples at all: the released gradient is pure noise; rank 0 saves it per step."""
+    try:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from helpers import tiny_net
+
+        from prismdp.engine import make_private
+
+        world = _init(rank, world_size, init_file)
+        model = tiny_net(seed=0)
+        private = make_private(model, method="dp-adamw", lr=1e-3, dataset_size=100, batch_size=10, steps=10 ** 6,
+                               noise_multiplier=2.0, max_grad_norm=0.5, seed=3, world=world)
+        released = []
+        private.optimizer.attach_step_hook(lambda rec: released.append(torch.cat([v.flatten() for v in rec.release.values])))
+        for _ in range(steps):
+            private.step()
+        private.check_replicas(steps)
+        torch.save(torch.stack(released), out + f".{rank}")
+    except Exception:  # noqa: BLE001
+        Path(out + f".err{rank}").write_text(traceback.format_exc())
+        raise
+
+
+def dies_after(rank: int, world_size: int, init_file: str, out: str, step: int) -> None:
+    """Rank 1 exits abruptly after ``step`` steps; rank 0 must fail with a clear error, not hang."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from helpers import net_batch, tiny_net
+
+    from prismdp.engine import make_private
+    from prismdp.losses import classification_losses
+
+    world = _init(rank, world_size, init_file, timeout_s=120.0)
+    X, Y = net_batch(40, seed=1)
+    model = tiny_net(seed=0)
+    private = make_private(model, method="prism", lr=1e-2, dataset_size=40, batch_size=12, steps=50,
+                           noise_multiplier=1.0, seed=7, world=world)
+    try:
+        for t, batch in enumerate(private.batches()):
+            if rank == 1 and t == step:
+                os._exit(3)
+            if len(batch):
+                private.backward(classification_losses(model(X[batch]), Y[batch]))
+            private.step()
+        Path(out + f".done{rank}").write_text("finished")
+    except Exception as e:  # noqa: BLE001
+        Path(out + f".err{rank}").write_text(json.dumps({"type": type(e).__name__, "msg": str(e)}))
