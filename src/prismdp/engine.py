@@ -129,8 +129,13 @@ class PrivateLoRA:
         """The remaining Poisson batches (index tensors), resumable through :meth:`state_dict`."""
         return iter(self.data_sampler)
 
-    def backward(self, losses: Tensor) -> None:
-        """Backpropagate one micro-batch of per-example losses (shape (b,); each depends on its example only)."""
+    def backward(self, losses: Tensor, groups: Tensor | None = None) -> None:
+        """Backpropagate one micro-batch of per-example losses (shape (b,); each depends on its example only).
+
+        ``groups`` (b,) (user-level privacy): the privacy unit of each example, numbered ``0..g-1`` within the
+        micro-batch, every unit's examples all in this micro-batch.  Each unit then contributes the *mean* of its
+        examples' gradients, clipped to C as one contribution: a unit's influence is bounded by C however many
+        examples it owns, and a unit with 50 examples weighs as much in the estimate as a unit with one."""
         if losses.dim() != 1:
             raise ValueError(
                 f"backward() takes per-example losses of shape (batch,), got {tuple(losses.shape)}; use "
@@ -138,12 +143,21 @@ class PrivateLoRA:
             )
         if losses.numel() == 0:
             return
+        n_units = losses.numel()
+        if groups is not None:
+            groups = torch.as_tensor(groups, dtype=torch.long, device=losses.device)
+            counts = torch.bincount(groups)
+            if groups.shape != losses.shape or bool((counts == 0).any()):
+                raise ValueError("groups must give each example its unit, numbered 0..g-1 without gaps")
+            n_units = counts.numel()
+            losses = losses / counts[groups]
         losses.sum().backward()
         if self.private:
-            self.optimizer.accumulate(self.grad_sampler.collect())
+            grads = self.grad_sampler.collect()
+            self.optimizer.accumulate(grads if groups is None else grads.sum_by(groups, n_units))
             self.model.zero_grad(set_to_none=True)
         else:
-            self._seen += losses.numel()
+            self._seen += n_units
 
     def step(self) -> dict[str, float]:
         """One optimizer step for the logical batch; returns its statistics (clip fraction, batch size, ...)."""
@@ -277,7 +291,8 @@ def make_private(
     neither gives a non-private run with the same geometry.  ``dense_lr`` sets the learning rate of the trainable
     non-LoRA parameters (e.g. a new classification head; default ``lr``).  ``start``: the pairs were already moved
     to this rank-r start (:func:`~prismdp.lora.move_to_rank_r_start`, e.g. to change their gauge first); it is kept
-    for the export instead of moving them again.  ``world``: the process group of a multi-process run (default:
+    for the export instead of moving them again.  A ``seed`` also seeds torch's global generator (dropout masks; one
+    stream per rank), so a front end's earlier random draws do not change the run.  ``world``: the process group of a multi-process run (default:
     the initialised default group, if it has more than one process; see :mod:`prismdp.distributed`): each process
     calls ``make_private`` with the same arguments on its copy of the model.  Every check runs before any noise is
     drawn.
@@ -329,5 +344,7 @@ def make_private(
         grad_sampler.arm()
     data_sampler = PoissonSampler(dataset_size, q, steps, generator=data_gen,
                                   shard=(world.rank, world.size) if world is not None else (0, 1))
+    if seed is not None or world is not None:  # dropout masks: a seeded stream per rank, whatever ran before
+        torch.manual_seed(shard_seed(base_seed + 2, world.rank if world is not None else 0))
     return PrivateLoRA(model, method, pairs, grad_sampler, optimizer, mechanism, data_sampler, start, delta,
                        accountant, world)

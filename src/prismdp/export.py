@@ -9,15 +9,15 @@ base weights the adapter must hold ``Z - Z0 = [A, -A0] [B, B0]^T`` (rank <= 2r):
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
-import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from .atomic import atomic_path, write_json
 from .lora import LoraPair, RankRStart, get_factors
 
 __all__ = ["export_adapter"]
@@ -25,7 +25,8 @@ __all__ = ["export_adapter"]
 
 def export_adapter(model: nn.Module, pairs: list[LoraPair], start: RankRStart | None, out_dir: str | os.PathLike,
                    adapter: str = "default", head: dict | None = None) -> Path:
-    """Atomically write ``adapter_config.json`` + ``adapter_model.safetensors`` to ``out_dir``.
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (each atomically) into ``out_dir``, leaving its
+    other files alone (a Trainer checkpoint folder holds more).
 
     ``head`` (e.g. ``{"pooling": "mean", "num_labels": 2}``) goes to ``prismdp_head.json``: the adapter then applies
     to ``prismdp.models.load_model(base, "seq_cls", num_labels, pooling=...)``, not to the stock HF head.
@@ -47,17 +48,14 @@ def export_adapter(model: nn.Module, pairs: list[LoraPair], start: RankRStart | 
             state[f"{pair.name}.lora_B.weight"] = torch.cat([A, -A0], dim=1).to(dtype).contiguous()
         config.r = 2 * r
         config.lora_alpha = math.sqrt(2 * r) if config.use_rslora else 2 * r
-    tmp = out.parent / f".{out.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    config.save_pretrained(str(tmp))
-    save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out / "adapter_model.safetensors") as tmp:
+        save_file(state, str(tmp), metadata={"format": "pt"})
+    with tempfile.TemporaryDirectory(dir=out, prefix=".adapter_config.") as tmp:  # PEFT's own serialisation
+        config.save_pretrained(tmp)
+        os.replace(Path(tmp) / "adapter_config.json", out / "adapter_config.json")
     if head is not None:
-        (tmp / "prismdp_head.json").write_text(json.dumps(head, indent=2) + "\n")
-    old = out.parent / f".{out.name}.old"
-    if out.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+        write_json(out / "prismdp_head.json", head)
+    else:
+        (out / "prismdp_head.json").unlink(missing_ok=True)  # a stale head from an earlier export
     return out

@@ -54,6 +54,27 @@ class PerExampleGrads:
     stacks: list[list[int]] | None = None
     stacked: list[tuple[Tensor, Tensor | None]] | None = None
 
+    def sum_by(self, groups: Tensor, n_groups: int) -> "PerExampleGrads":
+        """Per-group sums over the examples (``groups`` (b,) holds each example's group in ``0..n_groups-1``): the
+        gradients of privacy units that own several examples (user-level privacy), which are then clipped as one."""
+        groups = groups.to(self.lora[0][0].device)
+
+        def add(t: Tensor, dim: int) -> Tensor:
+            shape = list(t.shape)
+            shape[dim] = n_groups
+            return torch.zeros(shape, dtype=t.dtype, device=t.device).index_add_(dim, groups, t)
+
+        stacked = [(add(b, 1), add(a, 1) if a is not None else None) for b, a in self.stacked] \
+            if self.stacked is not None else None
+        if stacked is not None:
+            lora: list = [None] * len(self.lora)
+            for idx, (b, a) in zip(self.stacks, stacked):
+                for j, k in enumerate(idx):
+                    lora[k] = (b[j], a[j] if a is not None else None)
+        else:
+            lora = [(add(b, 0), add(a, 0) if a is not None else None) for b, a in self.lora]
+        return PerExampleGrads(n_groups, lora, [add(d, 0) for d in self.dense], self.stacks, stacked)
+
 
 def _flat(t: Tensor) -> Tensor:
     """(b, ..., d) -> (b, T, d)."""

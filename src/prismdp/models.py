@@ -236,6 +236,11 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
             setattr(model.config, k, v)
         model = MeanPoolingClassifier(model, labels["num_labels"])
 
+    if gguf_file is not None:  # de-quantised to ordinary float weights on load: not a quantised model any more
+        base = model.encoder if pooling == "mean" else model
+        base.hf_quantizer, base.is_quantized = None, False
+        if getattr(base.config, "quantization_config", None) is not None:
+            del base.config.quantization_config
     _ensure_pad(model, tokenizer, task_type, what)
     model.eval()
     return model, tokenizer

@@ -79,7 +79,7 @@ class InstructDataset(NamedTuple):
     n_fully_masked: int
 
 
-def _validate_record(rec: Any, where: str) -> Dict[str, Any]:
+def _validate_record(rec: Any, where: str, keep: Sequence[str] = ()) -> Dict[str, Any]:
     if not isinstance(rec, dict):
         raise InstructDataError(f"{where}: expected an object with keys {list(_REQUIRED)}, got {type(rec).__name__}")
     missing = [k for k in _REQUIRED if k not in rec]
@@ -95,13 +95,19 @@ def _validate_record(rec: Any, where: str) -> Dict[str, Any]:
     out = {k: rec[k] for k in _REQUIRED}
     if "answer" in rec:
         out["answer"] = rec["answer"]
+    for k in keep:
+        if not isinstance(rec.get(k), (str, int)) or isinstance(rec.get(k), bool):
+            raise InstructDataError(f"{where}: {k!r} must be present as a string or an integer (it names the "
+                                    f"record's user), got {rec.get(k)!r}")
+        out[k] = rec[k]
     return out
 
 
-def load_instruct_json(path: Union[str, os.PathLike]) -> List[Dict[str, Any]]:
+def load_instruct_json(path: Union[str, os.PathLike], keep: Sequence[str] = ()) -> List[Dict[str, Any]]:
     """Read LLM-Adapters records from a JSON array file (or ``.jsonl``); validate every record.
 
-    Returns dicts with keys ``instruction``, ``input``, ``output`` (and ``answer`` when present).
+    Returns dicts with keys ``instruction``, ``input``, ``output`` (and ``answer`` when present, and the ``keep``
+    keys, which every record must have: e.g. a user id column).
     """
     p = Path(path)
     if not p.is_file():
@@ -128,7 +134,7 @@ def load_instruct_json(path: Union[str, os.PathLike]) -> List[Dict[str, Any]]:
         raise InstructDataError(f"{p}: expected a JSON array of records, got a {type(data).__name__}")
     if not data:
         raise InstructDataError(f"{p}: no records (empty JSON array)")
-    return [_validate_record(rec, f"{p} record {i}") for i, rec in enumerate(data)]
+    return [_validate_record(rec, f"{p} record {i}", keep) for i, rec in enumerate(data)]
 
 
 def generate_prompt(record: Mapping[str, Any]) -> str:

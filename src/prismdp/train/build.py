@@ -70,13 +70,9 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, **make
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     private = make_private(
-        model, method=cfg.method, lr=lr, dataset_size=len(data.train), batch_size=cfg.batch_size, steps=cfg.steps,
+        model, method=cfg.method, lr=lr, dataset_size=data.n_units, batch_size=cfg.batch_size, steps=cfg.steps,
         target_epsilon=cfg.epsilon if cfg.dp else None, delta=cfg.delta, max_grad_norm=cfg.max_grad_norm,
         accountant=cfg.accountant, seed=cfg.seed, init=cfg.init, dense_lr=cfg.head_lr, world=world,
         **make_private_kwargs, **cfg.method_kwargs,
     )
-    if world is not None:  # dropout masks: one stream per rank (the model itself is identical everywhere)
-        from ..distributed import shard_seed
-
-        torch.manual_seed(shard_seed(cfg.seed + 2, world.rank))
     return Run(cfg, model, tokenizer, data, private, lr, targets, exclude, device, num_labels, world)

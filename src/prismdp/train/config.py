@@ -75,6 +75,10 @@ class TrainConfig:
     target_modules: list[str] | None = _opt(None, "comma-separated module names (default: q/k/v(/up/down) for the "
                                                   "model family)")
     max_grad_norm: float = _opt(1.0, "clipping bound C (default 1)")
+    privacy_unit: str = _opt("example", "what the guarantee protects: one example, or one user with all of their "
+                                        "examples (sampled, averaged and clipped as one; needs --user-id-column)",
+                             choices=("example", "user"))
+    user_id_column: str | None = _opt(None, "the record key naming each example's user (privacy_unit user)")
     seed: int = _opt(42, "seed of the run (sampling, noise, start; default 42)")
     max_length: int = _opt(128, "tokens per example (default 128)")
     train_on_inputs: bool = _opt(False, "causal LM tasks: train on the prompt tokens too")
@@ -171,6 +175,11 @@ class TrainConfig:
                 self.eval_tasks = expand_eval_tasks(self.eval_tasks)
             except ValueError as e:
                 bad("eval_tasks", str(e))
+        if self.privacy_unit not in ("example", "user"):
+            bad("privacy_unit", f"must be 'example' or 'user', got {self.privacy_unit!r}")
+        if (self.privacy_unit == "user") != (self.user_id_column is not None):
+            bad("user_id_column", "privacy_unit user needs --user-id-column COL (the key that names each example's "
+                                  "user), and --user-id-column applies to privacy_unit user only")
         if isinstance(self.eval_splits, str):
             self.eval_splits = [t.strip() for t in self.eval_splits.split(",") if t.strip()]
         if (self.holdout_val or self.holdout_test or self.eval_splits) and (self.task not in GLUE_TASKS):

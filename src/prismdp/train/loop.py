@@ -100,7 +100,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
     model, private, data, device = run.model, run.private, run.data, run.device
     if main:
         out.mkdir(parents=True, exist_ok=True)
-        resolved = {**cfg.to_dict(), "lr": run.lr, "target_modules": run.targets, "dataset_size": len(data.train),
+        resolved = {**cfg.to_dict(), "lr": run.lr, "target_modules": run.targets, "dataset_size": data.n_units,
                     "torch_device": str(device), "world_size": 1 if world is None else world.size,
                     "noise_multiplier": private.dp.noise_multiplier if private.dp else None,
                     "sample_rate": private.data_sampler.sample_rate, "data_notes": data.notes,
@@ -127,7 +127,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
         for batch in private.batches():
             t0 = time.perf_counter()
             loss_sum, n = backward_batch(private, model, data.train, data.loss, batch, cfg.micro_batch_size, pad_id,
-                                         device, cfg.group_by_length)
+                                         device, cfg.group_by_length, units=data.units)
             stats = private.step()
             step += 1
             if world is not None:  # the logged loss is the global batch's
@@ -178,8 +178,9 @@ def _finish(run, step: int, peak: PeakMemory, progress: bool) -> dict:
     summary: dict = {"steps": step, "train": {**run_step_times(out / "metrics.jsonl"), **peak.read(),
                                               "device": str(run.device)}}
     privacy = private.privacy_report()
-    privacy.update(dataset_size=len(data.train), max_grad_norm=cfg.max_grad_norm if cfg.dp else None,
-                   method=cfg.method, world_size=1 if run.world is None else run.world.size)
+    privacy.update(dataset_size=data.n_units, privacy_unit=cfg.privacy_unit,
+                   max_grad_norm=cfg.max_grad_norm if cfg.dp else None, method=cfg.method,
+                   world_size=1 if run.world is None else run.world.size)
     write_json(out / "privacy.json", privacy)
     summary["privacy"] = privacy
     t_eval = time.perf_counter()

@@ -16,7 +16,7 @@ import torch
 from ..data.collate import pad_collate
 from ..privacy import split_micro_batches
 
-__all__ = ["micro_batches", "backward_batch", "model_inputs"]
+__all__ = ["micro_batches", "unit_micro_batches", "backward_batch", "model_inputs"]
 
 
 def model_inputs(batch: dict, device: torch.device | None = None) -> dict:
@@ -34,20 +34,47 @@ def micro_batches(indices: Sequence[int], examples: Sequence[dict], micro_batch_
     return split_micro_batches(order, micro_batch_size)
 
 
+def unit_micro_batches(units: Sequence[Sequence[int]], examples: Sequence[dict], micro_batch_size: int,
+                       group_by_length: bool = True) -> Iterator[tuple[list[int], list[int]]]:
+    """Micro-batches of whole privacy units (user-level privacy): ``(example indices, unit of each example numbered
+    0..g-1)``, filled up to ``micro_batch_size`` examples without splitting a unit (a larger unit gets a micro-batch
+    of its own)."""
+    order = list(range(len(units)))
+    if group_by_length:
+        order.sort(key=lambda u: max(len(examples[i]["input_ids"]) for i in units[u]))
+    micro: list[int] = []
+    groups: list[int] = []
+    for u in order:
+        if micro and len(micro) + len(units[u]) > micro_batch_size:
+            yield micro, groups
+            micro, groups = [], []
+        g = groups[-1] + 1 if groups else 0
+        micro += list(units[u])
+        groups += [g] * len(units[u])
+    if micro:
+        yield micro, groups
+
+
 def backward_batch(private, model, examples: Sequence[dict], loss_fn, indices, micro_batch_size: int, pad_id: int,
-                   device: torch.device | None = None, group_by_length: bool = True) -> tuple[float, int]:
+                   device: torch.device | None = None, group_by_length: bool = True,
+                   units: Sequence[Sequence[int]] | None = None) -> tuple[float, int]:
     """Forward and backward every micro-batch of one logical batch through ``private.backward`` (the optimizer step
     is the caller's); returns the summed per-example loss and the number of examples (both private: not covered by
-    the DP guarantee)."""
+    the DP guarantee).  With ``units`` (user-level privacy) ``indices`` are units, each the list ``units[u]`` of its
+    examples, kept whole in one micro-batch."""
     loss_sum, n = 0.0, 0
-    micros = list(micro_batches(indices, examples, micro_batch_size, group_by_length))
+    if units is None:
+        micros = [(m, None) for m in micro_batches(indices, examples, micro_batch_size, group_by_length)]
+    else:
+        micros = list(unit_micro_batches([units[int(u)] for u in indices], examples, micro_batch_size,
+                                         group_by_length))
     agreed = private.micro_steps(len(micros))  # every rank of a multi-process run runs as many (some empty)
-    for micro in micros + [[]] * (agreed - len(micros)):
+    for micro, groups in micros + [([], None)] * (agreed - len(micros)):
         if not micro:
             continue  # an empty micro-batch: nothing to compute (no collective runs inside a micro-step)
         feats = pad_collate([examples[i] for i in micro], pad_id)
         losses = loss_fn(model(**model_inputs(feats, device)).logits, feats["labels"].to(device))
-        private.backward(losses)
+        private.backward(losses, groups=None if groups is None else torch.tensor(groups))
         loss_sum += float(losses.detach().sum())
         n += losses.numel()
     return loss_sum, n

@@ -69,6 +69,12 @@ class TaskData:
     notes: dict = field(default_factory=dict)  # counts of truncated / fully masked examples
     gen_eval_sets: list = field(default_factory=list)  # prismdp.eval.generation.EvalSet (causal-LM tasks)
     gen_eval_missing: dict = field(default_factory=dict)  # requested eval sets whose files were not found
+    units: list[list[int]] | None = None  # user-level privacy: per user, the indices of its training examples
+
+    @property
+    def n_units(self) -> int:
+        """What the privacy guarantee counts: users, or examples."""
+        return len(self.units) if self.units is not None else len(self.train)
 
 
 def task_head(cfg: TrainConfig) -> tuple[str, int | None]:
@@ -107,15 +113,29 @@ def build_task_data(cfg: TrainConfig, tokenizer) -> TaskData:
             if cfg.data is None:
                 raise ConfigError("data: --task instruct needs --data PATH to an LLM-Adapters JSON file "
                                   "(records with instruction, input, output), e.g. math_10k.json")
-            records = seeded_subset(load_instruct_json(cfg.data), cfg.train_examples, cfg.seed)
+            keep = (cfg.user_id_column,) if cfg.user_id_column else ()
+            records = seeded_subset(load_instruct_json(cfg.data, keep=keep), cfg.train_examples, cfg.seed)
             extra = {}
         gen_sets, gen_missing = _generation_evals(cfg)  # before tokenising: a bad eval setup fails fast
         ds = build_instruct_dataset(records, tokenizer, cfg.max_length, cfg.train_on_inputs, fully_masked="keep")
         feats = [{k: ex[k] for k in ("input_ids", "attention_mask", "labels")} for ex in ds.examples]
         notes = {"train_examples": len(feats), "truncated": ds.n_truncated, "fully_masked": ds.n_fully_masked,
                  **extra, **{f"{s.name}_examples": len(s.golds) for s in gen_sets}}
+        units = None
+        if cfg.user_id_column:
+            if cfg.task != "instruct":
+                raise ConfigError(f"privacy_unit: user-level privacy needs a user id in every record; task "
+                                  f"{cfg.task!r} has none (use task instruct with records that name their user)")
+            by_user: dict = {}
+            for i, rec in enumerate(records):
+                by_user.setdefault(rec[cfg.user_id_column], []).append(i)
+            units = list(by_user.values())
+            notes["users"] = len(units)
         return TaskData("causal_lm", feats, causal_lm_losses, notes=notes, gen_eval_sets=gen_sets,
-                        gen_eval_missing=gen_missing)
+                        gen_eval_missing=gen_missing, units=units)
+    if cfg.user_id_column:
+        raise ConfigError(f"privacy_unit: user-level privacy needs a user id in every record; task {cfg.task!r} has "
+                          "none (use task instruct with records that name their user)")
     if cfg.task == "synthetic":
         train_ex, test_ex = make_synthetic_task(cfg.synthetic_train, cfg.synthetic_test, seed=0)
         evals = {"test": test_ex}

@@ -1,0 +1,55 @@
+"""DP fine-tuning of SmolLM2-135M-Instruct on Math-10K with TRL's SFTTrainer, made private by prismdp.
+
+``private_trainer_class(SFTTrainer)`` puts prismdp's privacy in front of TRL's trainer: TRL prepares the data (it
+tokenises prompt/completion records and masks the prompt: completion-only loss), prismdp samples, clips, noises and
+accounts.  Packing and padding-free batches are refused (they would join several examples into one sequence).
+
+    python examples/trl_sft_math10k.py --data ../shared/data/math/math_10k.json --output_dir runs/trl-math \\
+        --max_steps 10 --per_device_train_batch_size 4 --learning_rate 3e-4 --use_cpu \\
+        --target_epsilon 6 --expected_batch_size 16
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from datasets import Dataset
+from peft import LoraConfig, get_peft_model
+from transformers import HfArgumentParser
+from trl import SFTConfig, SFTTrainer
+
+from prismdp.data import generate_prompt, load_instruct_json
+from prismdp.data.splits import seeded_subset
+from prismdp.integrations.hf import PrivacyArguments, private_trainer_class
+from prismdp.models import load_model
+
+PrivateSFTTrainer = private_trainer_class(SFTTrainer)
+
+
+@dataclass
+class ScriptArguments:
+    data: str = field(metadata={"help": "LLM-Adapters JSON file (instruction, input, output)"})
+    model: str | None = field(default=None, metadata={"help": "default: the packaged SmolLM2-135M-Instruct"})
+    examples: int = field(default=512, metadata={"help": "seeded subset of the records"})
+
+
+def main(argv=None):
+    script, sft, privacy = HfArgumentParser((ScriptArguments, SFTConfig, PrivacyArguments)) \
+        .parse_args_into_dataclasses(argv)
+    torch.manual_seed(sft.seed)
+    model, tokenizer = load_model(script.model, "causal_lm")
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.05, task_type="CAUSAL_LM",
+                                             target_modules=["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]))
+    records = seeded_subset(load_instruct_json(script.data), script.examples, sft.seed)
+    rows = [{"prompt": generate_prompt({**r, "output": ""}), "completion": r["output"]} for r in records]
+    trainer = PrivateSFTTrainer(model=model, args=sft, privacy_args=privacy, train_dataset=Dataset.from_list(rows),
+                                processing_class=tokenizer)
+    trainer.train()
+    trainer.save_model()
+    report = trainer.privacy_report()
+    print(f"trained {report.get('steps')} steps; epsilon {report.get('epsilon', float('inf')):.3f} at delta "
+          f"{report.get('delta')}; adapter and privacy.json in {sft.output_dir}")
+    return trainer
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""prismdp inside the Hugging Face Trainer: one engine, two front ends (issue 13's checks)."""
+
+import dataclasses
+import functools
+import json
+import math
+
+import pytest
+import torch
+from transformers import TrainingArguments
+
+from helpers import mechanism, net_batch, tiny_net
+from prismdp.data.collate import pad_collate
+from prismdp.integrations.hf import PrivacyArguments, PrivateTrainer, per_example_losses
+
+torch.set_num_threads(1)
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def _setup(model_dir, seed=3, **cfg_kw):
+    """prismdp's own model and data for a TrainConfig (the same objects `prismdp train` builds)."""
+    from prismdp.models import load_model
+    from prismdp.train.build import build_lora_model
+    from prismdp.train.config import TrainConfig
+    from prismdp.train.tasks import build_task_data
+
+    cfg = TrainConfig(model=model_dir, task="synthetic", synthetic_train=96, synthetic_test=16, steps=5, batch_size=16,
+                      micro_batch_size=8, rank=4, alpha=8, lr=1e-2, max_length=24, seed=seed, dropout=0.0,
+                      group_by_length=False, **cfg_kw)
+    torch.manual_seed(cfg.seed)
+    model, tok = load_model(cfg.model, "seq_cls", 2)
+    data = build_task_data(cfg, tok)
+    model, _, _ = build_lora_model(cfg, model, "seq_cls")
+    return cfg, model, tok, data
+
+
+def _targs(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, learning_rate=1e-2, max_steps=5, seed=3,
+                lr_scheduler_type="constant", report_to=[], logging_steps=1, save_strategy="no",
+                remove_unused_columns=False, use_cpu=True, disable_tqdm=True)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def _trainer(tmp_path, model_dir, privacy=None, targs=None, **setup_kw):
+    cfg, model, tok, data = _setup(model_dir, **setup_kw)
+    privacy = privacy or PrivacyArguments(target_epsilon=3.0, expected_batch_size=16)
+    return PrivateTrainer(model=model, args=targs or _targs(tmp_path), privacy_args=privacy,
+                          train_dataset=Rows(data.train),
+                          data_collator=functools.partial(pad_collate, pad_token_id=tok.pad_token_id)), cfg
+
+
+@pytest.mark.parametrize("method", ["prism", "dp-adamw"])
+def test_trainer_and_prismdp_train_follow_one_trajectory_and_write_one_privacy_report(tiny_bert_dir, tmp_path, method):
+    """The same seed, data and settings through `prismdp train` and through PrivateTrainer: the same adapter weights
+    after 5 private steps (bitwise: one engine, the same operations) and the same privacy.json."""
+    from prismdp.train.loop import train
+
+    trainer, cfg = _trainer(tmp_path / "hf", tiny_bert_dir,
+                            privacy=PrivacyArguments(method=method, target_epsilon=3.0, expected_batch_size=16))
+    trainer.train()
+    trainer.save_model()
+    res = train(dataclasses.replace(cfg, method=method, output=str(tmp_path / "cli")), progress=False,
+                log=lambda *a: None)
+    ours = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    theirs = {n: p for n, p in res.model.named_parameters() if p.requires_grad}
+    assert ours.keys() == theirs.keys()
+    for n in ours:
+        assert torch.equal(ours[n], theirs[n]), n
+    report = json.loads((tmp_path / "hf" / "privacy.json").read_text())
+    assert report == json.loads((tmp_path / "cli" / "privacy.json").read_text()) == trainer.privacy_report()
+    assert report["steps"] == 5 and 0 < report["epsilon"] <= 3.0
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 5 and all({"epsilon", "noise_multiplier", "clip_fraction"} <= h.keys() for h in logged)
+    assert logged[-1]["epsilon"] == pytest.approx(report["epsilon"])
+    # the saved adapter is PRISM's export for the original base model (rank 2r), loadable by stock PEFT
+    adapter = json.loads((tmp_path / "hf" / "adapter_config.json").read_text())
+    assert adapter["r"] == (8 if method == "prism" else 4)
+
+
+def test_resume_from_a_trainer_checkpoint_equals_an_uninterrupted_run(tiny_bert_dir, tmp_path):
+    full, _ = _trainer(tmp_path / "full", tiny_bert_dir, targs=_targs(tmp_path / "full", max_steps=6))
+    full.train()
+    part, _ = _trainer(tmp_path / "part", tiny_bert_dir,
+                       targs=_targs(tmp_path / "part", max_steps=6, save_strategy="steps", save_steps=3))
+    part.control.should_training_stop = False
+    # interrupt after the checkpoint at step 3: a callback stops the run there
+    from transformers import TrainerCallback
+
+    class StopAt3(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 3:
+                control.should_training_stop = True
+
+    part.add_callback(StopAt3())
+    part.train()
+    resumed, _ = _trainer(tmp_path / "part", tiny_bert_dir,
+                          targs=_targs(tmp_path / "part", max_steps=6, save_strategy="steps", save_steps=3))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "part" / "checkpoint-3"))
+    a = [p for p in full.model.parameters() if p.requires_grad]
+    b = [p for p in resumed.model.parameters() if p.requires_grad]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert resumed.privacy_report() == full.privacy_report()
+    assert resumed.private.budget.steps_taken == 6
+
+
+def test_poisson_logical_batches_have_the_right_size_law_and_empty_ones_happen(tiny_bert_dir, tmp_path):
+    trainer, _ = _trainer(tmp_path, tiny_bert_dir, privacy=PrivacyArguments(noise_multiplier=1.0,
+                                                                           expected_batch_size=2),
+                          targs=_targs(tmp_path, max_steps=3000))
+    sizes = torch.tensor([len(b["prismdp_units"]) for b in trainer.get_train_dataloader()], dtype=torch.float64)
+    N, q = 96, 2 / 96
+    assert len(sizes) == 3000
+    mean_se = math.sqrt(N * q * (1 - q) / len(sizes))
+    assert abs(float(sizes.mean()) - N * q) < 4 * mean_se
+    assert float(sizes.var()) == pytest.approx(N * q * (1 - q), rel=0.12)  # binomial(N, q)
+    assert int((sizes == 0).sum()) > 200  # P(empty) = (1 - q)^N = 0.13
+
+
+def test_per_example_causal_lm_losses_do_not_depend_on_the_other_examples_under_padding():
+    from helpers import padded_batch, tiny_llama
+
+    model = tiny_llama().eval()
+    ids, mask = padded_batch([9, 4, 7], vocab=100)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :2] = -100  # a prompt
+    with torch.no_grad():
+        batch = per_example_losses(model(input_ids=ids, attention_mask=mask).logits, labels)
+        for i in range(3):
+            L = int(mask[i].sum())
+            alone = per_example_losses(model(input_ids=ids[i:i + 1, :L]).logits, labels[i:i + 1, :L])
+            torch.testing.assert_close(batch[i], alone[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(train_sampling_strategy="group_by_length"), "group_by_length .* changes which examples form a batch"),
+    (dict(auto_find_batch_size=True), "a retried step would spend privacy twice"),
+    (dict(gradient_accumulation_steps=4), "leave gradient_accumulation_steps at 1"),
+    (dict(dataloader_drop_last=True), "dataloader_drop_last drops examples"),
+])
+def test_trainer_settings_that_break_the_accounting_are_refused(tiny_bert_dir, tmp_path, change, message):
+    with pytest.raises(ValueError, match=message):
+        _trainer(tmp_path, tiny_bert_dir, targs=_targs(tmp_path, **change))
+
+
+def test_iterable_datasets_and_lossy_collators_are_refused(tiny_bert_dir, tmp_path):
+    cfg, model, tok, data = _setup(tiny_bert_dir)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(data.train)
+
+    with pytest.raises(ValueError, match="an IterableDataset .* cannot be Poisson-sampled"):
+        PrivateTrainer(model=model, args=_targs(tmp_path), train_dataset=Stream(),
+                       privacy_args=PrivacyArguments(target_epsilon=3.0, expected_batch_size=16))
+    drop_one = lambda rows: pad_collate(rows[:-1], tok.pad_token_id)  # noqa: E731
+    trainer = PrivateTrainer(model=model, args=_targs(tmp_path), train_dataset=Rows(data.train),
+                             data_collator=drop_one,
+                             privacy_args=PrivacyArguments(target_epsilon=3.0, expected_batch_size=16))
+    with pytest.raises(ValueError, match="must keep every example"):
+        trainer.train()
+    for bad, message in ((dict(), "exactly one of them"), (dict(target_epsilon=3.0, noise_multiplier=1.0),
+                                                           "exactly one of them"),
+                         (dict(noise_multiplier=1.0, privacy_unit="user"), "needs user_id_column"),
+                         (dict(noise_multiplier=1.0, method="sgd"), "unknown method")):
+        with pytest.raises(ValueError, match=message):
+            PrivacyArguments(**bad)
+
+
+def test_privacy_arguments_parse_from_the_command_line():
+    from transformers import HfArgumentParser
+
+    targs, pargs = HfArgumentParser((TrainingArguments, PrivacyArguments)).parse_args_into_dataclasses(
+        ["--output_dir", "x", "--target_epsilon", "6", "--expected_batch_size", "128", "--method", "dp-adamw",
+         "--accountant", "rdp", "--use_cpu"])
+    assert pargs.target_epsilon == 6.0 and pargs.expected_batch_size == 128 and pargs.method == "dp-adamw"
+
+
+def test_user_level_release_moves_by_at_most_C_when_a_50_example_user_leaves():
+    """Units of several examples: a user owning 50 (adversarially scaled) examples changes the clipped sum by at most
+    C; PRISM and DP-AdamW (the per-user mean of the user's gradients, clipped once)."""
+    from prismdp.engine import make_private
+    from prismdp.losses import classification_losses
+
+    C = 0.02
+    X, Y = net_batch(80, seed=2)
+    X[:50] *= 3  # the big user
+    users = [list(range(50))] + [[50 + 3 * k + j for j in range(3)] for k in range(10)]
+    for method in ("prism", "dp-adamw"):
+        sums = []
+        for present in (users, users[1:]):
+            model = tiny_net(seed=1)
+            private = make_private(model, method=method, lr=1e-2, dataset_size=11, batch_size=4, steps=1,
+                                   noise_multiplier=1.0, max_grad_norm=C, seed=0)
+            private.mechanism.dp = dataclasses.replace(private.mechanism.dp, noise_multiplier=0.0,
+                                                       expected_batch_size=1.0)
+            idx = [i for u in present for i in u]
+            groups = [g for g, u in enumerate(present) for _ in u]
+            private.backward(classification_losses(model(X[idx]), Y[idx]), groups=torch.tensor(groups))
+            assert private.mechanism.clip.stats()["batch_size"] == len(present)  # one clipped unit per user
+            sums.append([s.clone() for s in private.mechanism.sums])
+        if method == "prism":
+            from prismdp import geometry
+            from prismdp.lora import get_factors
+
+            opt = private.optimizer
+            opt._ensure_frames()
+            diffs = [a - b for a, b in zip(*sums)]
+            lifted = opt._coordinates().signal(diffs)
+            sq = 0.0
+            for k, (dA, dB) in enumerate(opt.per_pair(lifted[:2 * len(opt.stacks)])):
+                sq += float(geometry.tangent_norm_sq(*get_factors(private.pairs[k], torch.float64), dA.double(),
+                                                      dB.double()))
+            sq += sum(float(d.square().sum()) for d in lifted[2 * len(opt.stacks):])
+            dist = math.sqrt(sq)
+        else:
+            dist = math.sqrt(sum(float((a - b).square().sum()) for a, b in zip(*sums)))
+        assert 0.9 * C < dist <= C * (1 + 1e-5), (method, dist)  # the big user is clipped to C exactly
+
+
+def test_user_level_trainer_accounts_users_not_examples(tiny_bert_dir, tmp_path):
+    cfg, model, tok, data = _setup(tiny_bert_dir)
+    rows = [{**r, "user": i % 12} for i, r in enumerate(data.train)]  # 12 users of 8 examples
+    collate = lambda rs: pad_collate([{k: v for k, v in r.items() if k != "user"} for r in rs], tok.pad_token_id)  # noqa
+    trainer = PrivateTrainer(model=model, args=_targs(tmp_path, max_steps=3), train_dataset=Rows(rows),
+                             data_collator=collate,
+                             privacy_args=PrivacyArguments(target_epsilon=3.0, expected_batch_size=3,
+                                                           privacy_unit="user", user_id_column="user"))
+    trainer.train()
+    rep = trainer.privacy_report()
+    assert rep["dataset_size"] == 12 and rep["privacy_unit"] == "user"
+    assert rep["sample_rate"] == pytest.approx(3 / 12)
+    sizes = [h["batch_size"] for h in trainer.state.log_history if "batch_size" in h]
+    assert all(s == int(s) and s <= 12 for s in sizes)  # clipped units are users
+
+
+def _run_example(module_path, argv):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(module_path.stem, module_path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main(argv)
+
+
+@pytest.mark.parametrize("example", ["hf_trainer_math10k.py", "trl_sft_math10k.py"])
+def test_the_examples_run_private_and_export(example, tiny_llama_dir, tmp_path, shared_data):
+    """examples/: PrivateTrainer with a stock collator, and TRL's SFTTrainer made private (TRL prepares the data,
+    prismdp samples, clips and accounts), on a tiny Llama with the SmolLM2 tokenizer, 3 steps."""
+    from pathlib import Path
+
+    pytest.importorskip("trl")
+    script = Path(__file__).resolve().parents[1] / "examples" / example
+    out = tmp_path / "out"
+    argv = ["--data", str(shared_data / "math" / "math_10k.json"), "--model", tiny_llama_dir, "--output_dir", str(out),
+            "--max_steps", "3", "--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--use_cpu",
+            "--target_epsilon", "6", "--expected_batch_size", "8", "--report_to", "none", "--save_strategy", "no",
+            "--examples", "64", "--max_length", "96", "--logging_steps", "1"]
+    trainer = _run_example(script, argv)
+    report = json.loads((out / "privacy.json").read_text())
+    assert report["steps"] == 3 and 0 < report["epsilon"] <= 6.0 and report == trainer.privacy_report()
+    assert report["dataset_size"] == len(trainer.train_dataset)
+    assert (out / "adapter_model.safetensors").is_file()
+    if example.startswith("trl"):
+        from trl import SFTConfig
+
+        from prismdp.integrations.hf import private_trainer_class
+        from trl import SFTTrainer
+
+        with pytest.raises(ValueError, match="packing / padding_free join several examples"):
+            private_trainer_class(SFTTrainer)(model=trainer.model, args=SFTConfig(output_dir=str(tmp_path / "p"),
+                                                                                   packing=True),
+                                              train_dataset=trainer.train_dataset,
+                                              privacy_args=PrivacyArguments(target_epsilon=3.0, expected_batch_size=8))
