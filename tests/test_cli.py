@@ -28,13 +28,16 @@ def test_epsilon_command_matches_the_library(capsys):
     assert epsilon(sigma, 0.02, 300, 1e-5, accountant="rdp") <= 3.0
 
 
-@pytest.mark.parametrize("method", ["prism", "dp-adamw"])
-def test_train_writes_a_stock_peft_adapter_that_reproduces_the_model(tiny_bert_dir, tmp_path, method):
+@pytest.mark.parametrize("method, start", [("prism", "method"), ("dp-adamw", "method"), ("dp-adamw", "rank-r")])
+def test_train_writes_a_stock_peft_adapter_that_reproduces_the_model(tiny_bert_dir, tmp_path, method, start):
+    """Also DP-AdamW from PRISM's rank-r start (--start rank-r): its export must subtract Z0 as PRISM's does."""
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification
 
     out = tmp_path / "run"
-    res = train(tiny_cfg(tiny_bert_dir, out, method=method), progress=False, log=lambda *a: None)
+    res = train(tiny_cfg(tiny_bert_dir, out, method=method, start=start, dropout=0.1), progress=False,
+                log=lambda *a: None)
+    started = method == "prism" or start == "rank-r"
     for name in ("config.json", "metrics.jsonl", "privacy.json", "eval.json", "checkpoint.pt",
                  "adapter/adapter_config.json", "adapter/adapter_model.safetensors"):
         assert (out / name).is_file(), name
@@ -52,7 +55,7 @@ def test_train_writes_a_stock_peft_adapter_that_reproduces_the_model(tiny_bert_d
         diff = (loaded(input_ids=ids).logits - res.model(input_ids=ids).logits).abs().max().item()
     assert diff < 1e-4
     cfg = json.loads((out / "adapter" / "adapter_config.json").read_text())
-    assert cfg["r"] == (8 if method == "prism" else 4)  # PRISM exports Z - Z0 at rank 2r
+    assert cfg["r"] == (8 if started else 4)  # a rank-r start exports Z - Z0 at rank 2r
 
 
 def test_privacy_report_agrees_with_epsilon_command(tiny_bert_dir, tmp_path, capsys):

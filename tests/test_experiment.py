@@ -389,3 +389,40 @@ def test_a_cell_claimed_by_a_live_process_is_passed_over(tmp_path):
     assert claim(folder)  # a dead one's claim is stale
     release(folder)
     assert not (folder / ".claim").exists()
+
+
+def test_a_method_entry_with_its_own_lrs_is_tuned_on_its_own_ladder(tmp_path):
+    """Plain Riemannian SGD needs rates ~100x Adam's: a variant's own `lrs` replaces the grid's for it alone (cells,
+    tuning and widening), and `lrs` never reaches its TrainConfig."""
+    peak = {"prism": 1e-3, "prism-sgd": 3.0}
+    trained = []
+
+    def fake_train(cfg, resume=False, progress=False, log=None):
+        import math
+
+        name = Path(cfg.output).name
+        trained.append(name)
+        val = 0.9 - 0.1 * abs(math.log10(cfg.lr / peak[name.split("__")[1]]))
+        folder = Path(cfg.output)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
+        (folder / "summary.json").write_text(json.dumps({
+            "steps": 1, "privacy": {"private": cfg.dp}, "eval": {"val": {"score": val}, "validation": {"score": val}},
+            "scores": {"sst2": val}}))
+
+    exp = load_experiment({"name": "T", "output": str(tmp_path), "tasks": {"sst2": {}}, "base": {"holdout_val": 10},
+                           "methods": {"prism": {}, "prism-sgd": {"method": "prism", "method_kwargs": {
+                               "adaptive": False}, "lrs": [0.1, 0.3, 1.0]}},
+                           "privacy": [3], "seeds": [1, 2], "lrs": [3e-4, 1e-3, 3e-3], "tune": {"by": "val"}})
+    assert "lrs" not in exp.methods["prism-sgd"]
+    assert sorted(c.lr for c in exp.cells(methods=["prism-sgd"], seeds=[1])) == [0.1, 0.3, 1.0]
+    run = run_experiment(exp, progress=False, log=lambda *a: None, train_fn=fake_train)
+    assert not run.failures
+    sgd = {n for n in trained if "prism-sgd" in n}
+    # 1.0 wins at the edge: widened to 3 (wins again), then 10 (loses); seed 2 at 3
+    assert sgd == {f"sst2__prism-sgd__eps3__lr{lr:g}__seed1" for lr in (0.1, 0.3, 1, 3, 10)} \
+        | {"sst2__prism-sgd__eps3__lr3__seed2"}
+    assert {n for n in trained if "__prism__" in n} == {f"sst2__prism__eps3__lr{lr:g}__seed1" for lr in
+                                                         (3e-4, 1e-3, 3e-3)} | {"sst2__prism__eps3__lr0.001__seed2"}
+    with pytest.raises(ConfigError, match="have their own lrs, but the grid has no"):
+        load_experiment({"tasks": {"sst2": {}}, "methods": {"p": {"method": "prism", "lrs": [1.0]}}})

@@ -278,6 +278,7 @@ def make_private(
     accountant: str = "prv",
     seed: int | None = None,
     init: str = "spectral",
+    rank_r_start: bool | None = None,
     adapter: str = "default",
     dense_lr: float | None = None,
     start: RankRStart | None = None,
@@ -291,7 +292,8 @@ def make_private(
     neither gives a non-private run with the same geometry.  ``dense_lr`` sets the learning rate of the trainable
     non-LoRA parameters (e.g. a new classification head; default ``lr``).  ``start``: the pairs were already moved
     to this rank-r start (:func:`~prismdp.lora.move_to_rank_r_start`, e.g. to change their gauge first); it is kept
-    for the export instead of moving them again.  A ``seed`` also seeds torch's global generator (dropout masks; one
+    for the export instead of moving them again.  ``rank_r_start``: start from the rank-r point (``init``) whatever
+    the method (``None``: the method's own start; PRISM needs the rank-r start).  A ``seed`` also seeds torch's global generator (dropout masks; one
     stream per rank), so a front end's earlier random draws do not change the run.  ``world``: the process group of a multi-process run (default:
     the initialised default group, if it has more than one process; see :mod:`prismdp.distributed`): each process
     calls ``make_private`` with the same arguments on its copy of the model.  Every check runs before any noise is
@@ -308,6 +310,11 @@ def make_private(
     if target_epsilon is not None and noise_multiplier is not None:
         raise ValueError("give target_epsilon or noise_multiplier, not both")
     spec = METHODS[method]
+    if rank_r_start is None:
+        rank_r_start = spec.rank_r_start
+    elif spec.rank_r_start and not rank_r_start:
+        raise ValueError(f"method {method!r} trains on the rank-r manifold and needs the rank-r start "
+                         "(rank_r_start=False is not possible)")
     if spec.prepare is not None:
         spec.prepare(model, adapter)
     pairs = find_lora_pairs(model, adapter, trainable=spec.trainable)
@@ -335,7 +342,7 @@ def make_private(
         gen.manual_seed(base_seed)
         mechanism = GaussianMechanism(dp, generator=gen, budget=budget, device=device,
                                       reduce=world.all_reduce_sum if world is not None else None)
-    if start is None and spec.rank_r_start:
+    if start is None and rank_r_start:
         start = move_to_rank_r_start(pairs, init=init, generator=torch.Generator().manual_seed(base_seed + 2))
     optimizer = spec.build(pairs, grad_sampler.dense_params, lr=lr, mechanism=mechanism, **method_kwargs)
     if dense_lr is not None and grad_sampler.dense_params:

@@ -17,7 +17,8 @@ A grid is methods x privacy settings x tasks x seeds.  The file (keys with dashe
     labels: {lora-rite: RITE}        # optional display names of methods in the tables
     columns: [cola, sst2, ...]       # optional column order of the tables
     exclude: ["*__ffa__nondp__*"]    # optional: cell-id patterns (fnmatch) left out of the grid
-    lrs: [3.0e-4, 1.0e-3, 3.0e-3]    # optional learning-rate axis (cell ids gain __lr<value>)
+    lrs: [3.0e-4, 1.0e-3, 3.0e-3]    # optional learning-rate axis (cell ids gain __lr<value>); a methods entry may
+                                     # have its own (e.g. plain SGD: {method: prism, adaptive: false, lrs: [...]})
     tune: {by: val, widen: 2}        # optional: pick each (task, method, setting)'s rate on eval set `on` with the
                                      # first seed, then run the other seeds at it (prismdp.experiment.tuning)
     compare: prism                   # optional: the method the paired comparisons are about (default: prism)
@@ -133,6 +134,11 @@ class Experiment:
     lrs: Optional[List[float]] = None
     tune: Optional["Tune"] = None
     compare: Optional[str] = None
+    method_lrs: Dict[str, List[float]] = field(default_factory=dict)  # a method's own lr axis (its entry's `lrs`)
+
+    def lrs_for(self, method: str) -> Optional[List[float]]:
+        """The learning-rate axis of ``method``: its own ``lrs`` if its entry has one, else the grid's."""
+        return self.method_lrs.get(method, self.lrs)
 
     def excluded(self, cell_id: str) -> bool:
         return any(fnmatch.fnmatchcase(cell_id, pat) for pat in self.exclude)
@@ -167,7 +173,7 @@ class Experiment:
                     if methods and method not in methods:
                         continue
                     for seed in self.seeds:
-                        for lr in self.lrs or [None]:
+                        for lr in self.lrs_for(method) or [None]:
                             if (seeds and seed not in seeds) or self.excluded(
                                     cell_id(task_id, method, setting, seed, lr)):
                                 continue
@@ -215,6 +221,16 @@ def _norm_keys(d: Any, where: str) -> Dict[str, Any]:
     if not isinstance(d, dict):
         raise ConfigError(f"{where}: expected a mapping, got {type(d).__name__}")
     return {str(k).replace("-", "_"): v for k, v in d.items()}
+
+
+def _parse_lrs(raw: Any, where: str) -> List[float]:
+    try:
+        lrs = sorted({float(v) for v in (raw if isinstance(raw, (list, tuple)) else [raw])})
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: expected a list of learning rates, got {raw!r}") from None
+    if not lrs or min(lrs) <= 0:
+        raise ConfigError(f"{where}: expected positive learning rates, got {raw!r}")
+    return lrs
 
 
 def _resolve_paths(values: Dict[str, Any], folder: Optional[Path]) -> Dict[str, Any]:
@@ -305,6 +321,7 @@ def load_experiment(source: Any, overrides: Optional[Dict[str, Any]] = None) -> 
         methods = {k: _norm_keys(v, f"methods.{k}") for k, v in _mapping(methods_raw, "methods").items()}
     from ..engine import METHODS
 
+    method_lrs = {m: _parse_lrs(v.pop("lrs"), f"methods.{m}.lrs") for m, v in methods.items() if "lrs" in v}
     for m, v in methods.items():
         if v.get("method", m) not in METHODS:
             what = f"method {v['method']!r} of variant {m!r}" if "method" in v else f"method {m!r}"
@@ -334,14 +351,9 @@ def load_experiment(source: Any, overrides: Optional[Dict[str, Any]] = None) -> 
         raise ConfigError("exclude: expected a list of cell-id patterns such as '*__ffa__nondp__*'")
     over = _resolve_paths(dict(overrides or {}), Path.cwd())
     _check_layer(over, "--set")
-    lrs = raw.get("lrs")
-    if lrs is not None:
-        try:
-            lrs = sorted({float(v) for v in (lrs if isinstance(lrs, (list, tuple)) else [lrs])})
-        except (TypeError, ValueError):
-            raise ConfigError(f"lrs: expected a list of learning rates, got {raw.get('lrs')!r}") from None
-        if not lrs or min(lrs) <= 0:
-            raise ConfigError(f"lrs: expected positive learning rates, got {raw.get('lrs')!r}")
+    lrs = _parse_lrs(raw["lrs"], "lrs") if raw.get("lrs") is not None else None
+    if method_lrs and lrs is None:
+        raise ConfigError(f"methods: {sorted(method_lrs)} have their own lrs, but the grid has no `lrs` axis")
     from .tuning import Tune
 
     tune = Tune.parse(raw.get("tune"), lrs) if raw.get("tune") is not None else None
@@ -350,7 +362,8 @@ def load_experiment(source: Any, overrides: Optional[Dict[str, Any]] = None) -> 
         raise ConfigError(f"compare: {compare!r} is not one of the methods ({', '.join(methods)})")
     exp = Experiment(path, str(raw.get("name") or (path.stem if path else "experiment")),
                      str(raw.get("output") or f"runs/{path.stem if path else 'experiment'}"), base, tasks, methods,
-                     settings, [int(s) for s in seeds_raw], labels, columns, over, list(exclude), lrs, tune, compare)
+                     settings, [int(s) for s in seeds_raw], labels, columns, over, list(exclude), lrs, tune, compare,
+                     method_lrs)
     if not exp.cells():
         raise ConfigError(f"exclude: the patterns {exclude} leave no cell in the grid")
     return exp

@@ -199,7 +199,7 @@ def _run_tuned(exp: Experiment, *, output, tasks, methods, settings, dry_run, ta
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "experiment.json", {
         "name": exp.name, "source": str(exp.path) if exp.path else None, "overrides": exp.overrides,
-        "lrs": exp.lrs, "tune": dataclasses.asdict(exp.tune)})
+        "lrs": exp.lrs, "method_lrs": exp.method_lrs, "tune": dataclasses.asdict(exp.tune)})
     waited = False
     while not tables_only:
         plan = Plan(exp, out_dir, tasks=tasks, methods=methods, settings=settings, failed=list(run.failures))

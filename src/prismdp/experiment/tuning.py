@@ -109,7 +109,7 @@ class Plan:
 
     def _group(self, task_id, method, setting) -> GroupState:
         g = GroupState((task_id, method, setting.key))
-        lrs = sorted(self.exp.lrs)
+        lrs = sorted(self.exp.lrs_for(method))
         widened = {"low": 0, "high": 0}
         while True:
             cells = {lr: self._cell(task_id, method, setting, self.tune_seed, lr) for lr in lrs}

@@ -82,7 +82,11 @@ class TrainConfig:
     seed: int = _opt(42, "seed of the run (sampling, noise, start; default 42)")
     max_length: int = _opt(128, "tokens per example (default 128)")
     train_on_inputs: bool = _opt(False, "causal LM tasks: train on the prompt tokens too")
-    init: str = _opt("spectral", "PRISM's rank-r start", choices=("spectral", "random"))
+    init: str = _opt("spectral", "the rank-r start: top-r SVD part of the base weight, or a small random one",
+                     choices=("spectral", "random"))
+    start: str = _opt("method", "where the LoRA factors start: the method's own point (PRISM: the rank-r start; the "
+                                "factor-space methods: PEFT's init, B = 0) or the rank-r start for every method "
+                                "(separates PRISM's start from its geometry)", choices=("method", "rank-r"))
     train_examples: int | None = _opt(None, "seeded subset of the training set")
     holdout_val: int | None = _opt(None, "GLUE: carve this many training examples out as eval set 'val' (for "
                                          "tuning; the same examples for every seed)")
@@ -156,6 +160,8 @@ class TrainConfig:
                            f"(use pooling: model)")
         if self.init not in ("spectral", "random"):
             bad("init", f"must be 'spectral' or 'random', got {self.init!r}")
+        if self.start not in ("method", "rank-r"):
+            bad("start", f"must be 'method' or 'rank-r', got {self.start!r}")
         for key in ("train_examples", "eval_examples", "max_new_tokens", "holdout_val", "holdout_test"):
             v = getattr(self, key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
