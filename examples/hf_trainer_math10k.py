@@ -30,6 +30,7 @@ class ScriptArguments:
     model: str | None = field(default=None, metadata={"help": "model folder, .gguf or hub id (default: packaged "
                                                                "SmolLM2-135M-Instruct)"})
     examples: int = field(default=512, metadata={"help": "seeded subset of the records"})
+    rank: int = field(default=16, metadata={"help": "LoRA rank (the paper's 16)"})
     max_length: int = field(default=256, metadata={"help": "tokens per example"})
 
 
@@ -38,8 +39,9 @@ def main(argv=None):
         .parse_args_into_dataclasses(argv)
     torch.manual_seed(targs.seed)
     model, tokenizer = load_model(script.model, "causal_lm")
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.05, task_type="CAUSAL_LM",
-                                             target_modules=["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]))
+    lora = LoraConfig(r=script.rank, lora_alpha=script.rank, lora_dropout=0.05, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"])
+    model = get_peft_model(model, lora)
     records = seeded_subset(load_instruct_json(script.data), script.examples, targs.seed)
     tokenised = build_instruct_dataset(records, tokenizer, script.max_length, train_on_inputs=True)
     rows = [{k: list(map(int, ex[k])) for k in ("input_ids", "attention_mask", "labels")} for ex in tokenised.examples]

@@ -30,6 +30,7 @@ class ScriptArguments:
     data: str = field(metadata={"help": "LLM-Adapters JSON file (instruction, input, output)"})
     model: str | None = field(default=None, metadata={"help": "default: the packaged SmolLM2-135M-Instruct"})
     examples: int = field(default=512, metadata={"help": "seeded subset of the records"})
+    rank: int = field(default=16, metadata={"help": "LoRA rank (the paper's 16)"})
 
 
 def main(argv=None):
@@ -37,8 +38,9 @@ def main(argv=None):
         .parse_args_into_dataclasses(argv)
     torch.manual_seed(sft.seed)
     model, tokenizer = load_model(script.model, "causal_lm")
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.05, task_type="CAUSAL_LM",
-                                             target_modules=["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]))
+    lora = LoraConfig(r=script.rank, lora_alpha=script.rank, lora_dropout=0.05, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"])
+    model = get_peft_model(model, lora)
     records = seeded_subset(load_instruct_json(script.data), script.examples, sft.seed)
     rows = [{"prompt": generate_prompt({**r, "output": ""}), "completion": r["output"]} for r in records]
     trainer = PrivateSFTTrainer(model=model, args=sft, privacy_args=privacy, train_dataset=Dataset.from_list(rows),

@@ -106,3 +106,35 @@ def dies_after(rank: int, world_size: int, init_file: str, out: str, step: int) 
         Path(out + f".done{rank}").write_text("finished")
     except Exception as e:  # noqa: BLE001
         Path(out + f".err{rank}").write_text(json.dumps({"type": type(e).__name__, "msg": str(e)}))
+
+
+def diverges(rank: int, world_size: int, init_file: str, out: str) -> None:
+    """Two ranks train identically for 2 steps; then rank 1's copy of one factor is nudged by a relative 1e-6 (what a
+    rank running other code or another seed would produce); check_replicas must fail on every rank."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from helpers import net_batch, tiny_net
+
+    from prismdp.distributed import ReplicaDivergenceError
+    from prismdp.engine import make_private
+    from prismdp.losses import classification_losses
+
+    world = _init(rank, world_size, init_file)
+    X, Y = net_batch(40, seed=1)
+    model = tiny_net(seed=0)
+    private = make_private(model, method="prism", lr=1e-2, dataset_size=40, batch_size=12, steps=4,
+                           noise_multiplier=1.0, seed=7, world=world)
+    outcome = {}
+    for t, batch in enumerate(private.batches()):
+        if len(batch):
+            private.backward(classification_losses(model(X[batch]), Y[batch]))
+        private.step()
+        try:
+            private.check_replicas(t + 1)
+            outcome[t + 1] = "same"
+        except ReplicaDivergenceError as e:
+            outcome[t + 1] = str(e)
+            break
+        if t == 1 and rank == 1:
+            with torch.no_grad():
+                private.pairs[0].lora_A.weight.view(-1)[0] *= 1 + 1e-6  # one float32 ulp or a few
+    Path(out + f".{rank}").write_text(json.dumps(outcome))

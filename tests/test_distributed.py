@@ -66,6 +66,18 @@ def test_noise_is_added_once_not_once_per_process(tmp_path):
     assert abs(float(r0.mean())) < 5 * tau / math.sqrt(r0.numel())
 
 
+def test_ranks_that_diverge_are_detected_on_every_rank(tmp_path):
+    """After a relative 1e-6 change to one rank's copy of a factor, the replica check fails on both ranks (naming the
+    step); before it, the copies are bitwise identical."""
+    out = tmp_path / "div"
+    codes = _spawn(dist_workers.diverges, 2, tmp_path, str(out))
+    assert codes == [0, 0]
+    for r in (0, 1):
+        outcome = json.loads(Path(f"{out}.{r}").read_text())
+        assert outcome["1"] == outcome["2"] == "same"
+        assert "after step 3 the processes' trained tensors differ" in outcome["3"]
+
+
 def test_a_killed_rank_gives_a_clear_error_not_a_hang(tmp_path):
     out = tmp_path / "kill"
     t0 = time.time()

@@ -265,7 +265,7 @@ def test_the_examples_run_private_and_export(example, tiny_llama_dir, tmp_path, 
     argv = ["--data", str(shared_data / "math" / "math_10k.json"), "--model", tiny_llama_dir, "--output_dir", str(out),
             "--max_steps", "3", "--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--use_cpu",
             "--target_epsilon", "6", "--expected_batch_size", "8", "--report_to", "none", "--save_strategy", "no",
-            "--examples", "64", "--max_length", "96", "--logging_steps", "1"]
+            "--examples", "64", "--max_length", "96", "--logging_steps", "1", "--rank", "4"]
     trainer = _run_example(script, argv)
     report = json.loads((out / "privacy.json").read_text())
     assert report["steps"] == 3 and 0 < report["epsilon"] <= 6.0 and report == trainer.privacy_report()
@@ -279,6 +279,90 @@ def test_the_examples_run_private_and_export(example, tiny_llama_dir, tmp_path, 
 
         with pytest.raises(ValueError, match="packing / padding_free join several examples"):
             private_trainer_class(SFTTrainer)(model=trainer.model, args=SFTConfig(output_dir=str(tmp_path / "p"),
-                                                                                   packing=True),
+                                                                                   packing=True, use_cpu=True,
+                                                                                   bf16=False),
                                               train_dataset=trainer.train_dataset,
                                               privacy_args=PrivacyArguments(target_epsilon=3.0, expected_batch_size=8))
+
+
+def test_private_trainer_under_torchrun_is_the_multi_process_engine(tiny_bert_dir, tmp_path):
+    """`torchrun --nproc-per-node 2` of a PrivateTrainer script: the same privacy report as one process (world_size
+    aside), identical trained tensors on both ranks, and no DDP all-reduce of the gradients the mechanism discards
+    (each rank's .grad after a backward is its own examples' gradient: they differ between the ranks)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    one, _ = _trainer(tmp_path / "one", tiny_bert_dir, targs=_targs(tmp_path / "one", max_steps=4))
+    one.train()
+    out = tmp_path / "two"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port",
+           str(30500 + os.getpid() % 1000), str(Path(__file__).parent / "hf_dist_worker.py"), tiny_bert_dir, str(out),
+           "4"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    r0, r1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["world_size"] == r1["world_size"] == 2 and r0["steps"] == r1["steps"] == 4
+    assert r0["checksum"] == r1["checksum"]
+    assert r0["grads"] and r1["grads"] and r0["grads"][0] != r1["grads"][0]
+    report = json.loads((out / "privacy.json").read_text())
+    mine = one.privacy_report()
+    assert report.pop("world_size") == 2 and mine.pop("world_size") == 1
+    assert report == mine
+
+
+def test_epochs_become_logical_steps_and_the_scheduler_steps_once_per_logical_step(tiny_bert_dir, tmp_path):
+    """num_train_epochs with the expected batch: 2 epochs of 96 examples at 16 = 12 logical steps, sigma calibrated
+    for exactly 12; a linear schedule decays once per logical step (not per micro-batch); max_steps changed after
+    the calibration is refused before anything trains."""
+    from prismdp.privacy import calibrate_sigma
+
+    trainer, _ = _trainer(tmp_path, tiny_bert_dir, targs=_targs(tmp_path, max_steps=-1, num_train_epochs=2,
+                                                                 lr_scheduler_type="linear", learning_rate=1.2e-2))
+    assert trainer.args.max_steps == 12
+    assert trainer.private.dp.noise_multiplier == pytest.approx(calibrate_sigma(3.0, 1e-5, 16 / 96, 12), rel=1e-12)
+    seen = []
+    step = trainer.private.step
+
+    def recording_step():  # the rate each private step used
+        seen.append(trainer.private.optimizer.param_groups[0]["lr"])
+        return step()
+
+    trainer.private.step = recording_step
+    trainer.train()
+    assert trainer.state.global_step == 12 and trainer.privacy_report()["steps"] == 12
+    assert seen == pytest.approx([1.2e-2 * (1 - k / 12) for k in range(12)], rel=1e-9)
+    late, _ = _trainer(tmp_path / "late", tiny_bert_dir, targs=_targs(tmp_path / "late", max_steps=3))
+    late.args.max_steps = 5
+    with pytest.raises(ValueError, match="sigma was calibrated .* for 3 steps"):
+        late.train()
+    assert late.private.budget.steps_taken == 0
+
+
+def test_per_example_losses_under_a_stock_collator_with_padding_and_label_masking(tiny_llama_dir):
+    """DataCollatorForSeq2Seq pads inputs and labels (-100) to the longest example: each example's loss in the padded
+    micro-batch equals its loss alone, so no example's gradient depends on another's length."""
+    from transformers import AutoTokenizer, DataCollatorForSeq2Seq
+
+    from helpers import tiny_llama
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    model = tiny_llama().eval()
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for length, prompt in ((9, 3), (4, 1), (7, 5)):
+        ids = torch.randint(5, 90, (length,), generator=g).tolist()
+        rows.append({"input_ids": ids, "attention_mask": [1] * length, "labels": [-100] * prompt + ids[prompt:]})
+    collate = DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100)
+    batch = collate([dict(r) for r in rows])
+    assert batch["input_ids"].shape == (3, 9) and int((batch["labels"] == -100).sum()) > 9
+    with torch.no_grad():
+        together = per_example_losses(model(input_ids=batch["input_ids"],
+                                            attention_mask=batch["attention_mask"]).logits, batch["labels"])
+        for i, r in enumerate(rows):
+            alone = collate([dict(r)])
+            loss = per_example_losses(model(input_ids=alone["input_ids"]).logits, alone["labels"])
+            torch.testing.assert_close(together[i], loss[0], rtol=1e-5, atol=1e-6)

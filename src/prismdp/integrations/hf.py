@@ -51,6 +51,7 @@ from ..engine import METHODS, make_private
 from ..export import export_adapter
 from ..losses import causal_lm_losses, classification_losses
 from ..privacy.accounting import ACCOUNTANTS
+from ..train.loop import REPLICA_CHECK_EVERY
 
 __all__ = ["PrivacyArguments", "PrivateTrainer", "PrivacyMixin", "private_trainer_class", "PRIVACY_STATE_NAME"]
 
@@ -140,7 +141,11 @@ class _StepOptimizer:
         return self.inner.param_groups
 
     def step(self, closure=None):
-        self.trainer._last_stats = self.trainer.private.step()
+        private = self.trainer.private
+        self.trainer._last_stats = private.step()
+        step = self.trainer.state.global_step + 1  # the Trainer counts the step after the optimizer's
+        if private.world is not None and step % REPLICA_CHECK_EVERY == 0:
+            private.check_replicas(step)  # every rank must hold the same trained tensors
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.trainer.model.zero_grad(set_to_none=set_to_none)
@@ -240,6 +245,13 @@ class PrivacyMixin:
         return list(by_user.values())
 
     # ---------------------------------------------------------------- what the Trainer sees
+
+    def train(self, *args, **kwargs):
+        if self.args.max_steps != self._steps:
+            _refuse(f"args.max_steps is {self.args.max_steps}, but sigma was calibrated (and the Poisson batches "
+                    f"drawn) for {self._steps} steps when the trainer was built; build a new PrivateTrainer with "
+                    "the new max_steps")
+        return super().train(*args, **kwargs)
 
     def get_train_dataloader(self):
         return _LogicalBatches(self.private, self._steps)
