@@ -28,11 +28,15 @@ class StepRecord:
     PRISM, per stack of equal-shape pairs, the lifts ``dA (k, m, r)`` and ``dB (k, n, r)`` of the pairs
     ``stacks[i]``, then one tensor per dense parameter.  ``preconditioners``: PRISM's adaptive step per stack,
     ``(P_A (k, r, r), w_A (k, r), P_B, w_B)`` (the matrices and their clamped eigenvalues); ``None`` otherwise.
+    ``factors``: PRISM, per stack, the point ``(A (k, m, r), B (k, n, r))`` (intrinsic factors, ``Z = A B^T``) at which
+    the release was computed, so that a lift ``(dA, dB)`` reads as the tangent vector ``dA B^T + A dB^T``; ``None``
+    otherwise.
     """
 
     release: Release | None
     stacks: list[list[int]] | None = None
     preconditioners: list[tuple[Tensor, Tensor, Tensor, Tensor]] | None = None
+    factors: list[tuple[Tensor, Tensor]] | None = None
 
 
 class StepHooks:

@@ -277,7 +277,7 @@ class PRISM(KeepStateDtypes, torch.optim.Optimizer):
         self._dense_step(release.values[n:])
         self.last_clip = release.clip
         if self._hooks:
-            self._hooks(StepRecord(release, self.stacks, precond if self.adaptive else None))
+            self._hooks(StepRecord(release, self.stacks, precond if self.adaptive else None, self._factors))
 
     def _nonprivate_step(self) -> None:
         frames = self._ensure_frames()

@@ -12,8 +12,9 @@ release private, so it is written once:
     accumulate()   per micro-batch: clipping coefficients from the squared norms (non-finite examples count 0 and are
                    counted), clipped sums per trained tensor, clipping statistics (on the device, no host sync)
     release()      per logical batch: budget check (refused before any noise is drawn) -> reduce the sums and the
-                   statistics across processes (identity in one process) -> map -> + sigma C xi, drawn once for the
-                   global sum -> / b -> budget record
+                   statistics across processes (identity in one process) -> + the clipped sums of any extra examples
+                   (:meth:`GaussianMechanism.attach_example_source`: the audit's canaries) -> map -> + sigma C xi,
+                   drawn once for the global sum -> / b -> budget record
 
 A method supplies its :class:`Coordinates`: zero sums of the right shapes, ``signal`` (the linear map) and ``noise``
 (the map from iid N(0, 1) draws, one per sum tensor and shaped like it, to its noise law).
@@ -21,18 +22,25 @@ A method supplies its :class:`Coordinates`: zero sums of the right shapes, ``sig
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import torch
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 from .clipping import ClippedSum, ClipStats, DPConfig, clipped_sum, contributing, noise_generator
 
-__all__ = ["Coordinates", "Euclidean", "GaussianMechanism", "PerExample", "Release", "Reduce"]
+__all__ = ["Coordinates", "Euclidean", "ExampleSource", "GaussianMechanism", "PerExample", "Release", "Reduce"]
 
 #: In-place SUM of a list of tensors across the processes of a run (identity in one process).
 Reduce = Callable[[list[Tensor]], None]
+
+#: Examples that do not come from the data sampler (the audit's gradient canaries): called once per release with the
+#: method's :class:`Coordinates`, returns the clipped sum of this step's such examples shaped like ``coords.zeros()``
+#: (each example already clipped to C in the method's norm), or ``None`` when none is in this step's sample.
+ExampleSource = Callable[["Coordinates"], "list[Tensor] | None"]
 
 
 class PerExample(NamedTuple):
@@ -109,6 +117,15 @@ class GaussianMechanism:
         self.generator = noise_generator(torch.device(device), generator)
         self.clip = ClippedSum(dp.max_grad_norm)
         self._sums: list[Tensor] | None = None
+        self._sources: OrderedDict[int, ExampleSource] = OrderedDict()
+
+    def attach_example_source(self, source: ExampleSource) -> RemovableHandle:
+        """Add ``source``'s examples to every release from now on (after the cross-process reduction: a source adds
+        its examples once to the global sum, so it must return the same tensors on every rank).  Its examples are
+        not counted in the clipping statistics.  Returns a handle with ``remove()``."""
+        handle = RemovableHandle(self._sources)
+        self._sources[handle.id] = source
+        return handle
 
     @property
     def noise_std(self) -> float:
@@ -163,6 +180,10 @@ class GaussianMechanism:
         self._sums = None
         if self.reduce is not None:
             clip = self._reduce(sums, clip)
+        for source in list(self._sources.values()):
+            extra = source(coords)
+            if extra is not None:
+                sums = [s + e for s, e in zip(sums, extra, strict=True)]
         signal = coords.signal(sums)
         b, std = float(self.dp.expected_batch_size), self.dp.noise_std
         noise = None

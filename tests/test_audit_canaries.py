@@ -1,0 +1,101 @@
+"""Gradient canaries against dense references (float64): each injected canary is one example of norm exactly C along
+its direction, in the method's own geometry, and the scorer reads that direction back from the release."""
+
+import pytest
+import torch
+
+from helpers import mechanism, tiny_net
+from prismdp import geometry
+from prismdp.audit.canaries import CanaryInjector, CanarySet, layout_of
+from prismdp.audit.scoring import GradientScorer
+from prismdp.grad_sample import GradSampler
+from prismdp.lora import find_lora_pairs, move_to_rank_r_start
+from prismdp.optim import PRISM, dp_adamw
+
+C, B = 0.7, 4.0
+
+
+def _optimizer(method):
+    model = tiny_net(seed=0, dtype=torch.float64)
+    pairs = find_lora_pairs(model)
+    sampler = GradSampler(model, pairs)
+    mech = mechanism(0.0, C, B)
+    if method == "prism":
+        move_to_rank_r_start(pairs)
+        return PRISM(pairs, lr=1e-3, dense_params=sampler.dense_params, mechanism=mech, adaptive=False)
+    return dp_adamw(pairs, sampler.dense_params, lr=1e-3, mechanism=mech)
+
+
+def _dense_release(opt, record):
+    """The release as one flat ambient vector: PRISM's tangent vectors dA B^T + A dB^T per module, then dense."""
+    vals = record.release.values
+    if record.factors is None:
+        return torch.cat([v.flatten() for v in vals])
+    out = []
+    for i, (A, Bf) in enumerate(record.factors):
+        out.append(geometry.tangent_to_dense(A, Bf, vals[2 * i], vals[2 * i + 1]).flatten())
+    return torch.cat(out + [v.flatten() for v in vals[2 * len(record.factors):]])
+
+
+def _dense_unit(canaries, j, record):
+    """Canary j's unit direction at the step's point, formed densely: P(u v^T) per module (PRISM) or the raw vector."""
+    d = canaries.direction(j)
+    if record.factors is None:
+        flat = torch.cat([t.flatten() for t in d])
+        return flat / flat.norm()
+    parts = []
+    for i, (A, Bf) in enumerate(record.factors):
+        u, v = d[2 * i], d[2 * i + 1]
+        parts.append(geometry.tangent_project(A, Bf, u.unsqueeze(-1) * v.unsqueeze(-2)).flatten())
+    flat = torch.cat(parts + [t.flatten() for t in d[2 * len(record.factors):]])
+    return flat / flat.norm()
+
+
+@pytest.mark.parametrize("method", ["prism", "dp-adamw"])
+def test_one_canary_is_one_example_of_norm_C_along_its_direction(method):
+    opt = _optimizer(method)
+    canaries = CanarySet.first(layout_of(opt), root=123, m=5, dtype=torch.float64)
+    opt.mechanism.attach_example_source(CanaryInjector(canaries.subset([2]), 1.0, C, torch.Generator().manual_seed(0)))
+    records = []
+    opt.attach_step_hook(records.append)
+    scorer = GradientScorer(canaries)
+    opt.attach_step_hook(scorer)
+    opt.step()  # no data, sigma = 0: the release is canary 2 alone, / b
+    released = _dense_release(opt, records[0]) * B
+    unit = _dense_unit(canaries, 2, records[0])
+    assert released.norm().item() == pytest.approx(C, rel=1e-9)
+    assert torch.allclose(released, C * unit, atol=1e-12)
+    scores = scorer.scores()
+    assert scores[2] == pytest.approx(C / B, rel=1e-9)
+    for j in (0, 1, 3, 4):  # the others: the inner product of the release with their own unit directions
+        expected = float(_dense_release(opt, records[0]) @ _dense_unit(canaries, j, records[0]))
+        assert scores[j] == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_prism_canary_norm_is_the_mechanisms_clipping_norm():
+    # what PRISM's clipping measures for the canary's factor gradients (projected_grad_norm_sq): exactly C^2
+    opt = _optimizer("prism")
+    canaries = CanarySet.first(layout_of(opt), root=5, m=1, dtype=torch.float64)
+    inj = CanaryInjector(canaries, 1.0, C, torch.Generator().manual_seed(0))
+    seen = []
+
+    def source(coords):
+        seen.append((coords.frames, inj(coords)))
+        return seen[-1][1]
+
+    opt.mechanism.attach_example_source(source)
+    opt.step()
+    frames, sums = seen[0]
+    sq = sum(geometry.projected_grad_norm_sq(fr, sums[2 * i], sums[2 * i + 1]).sum() for i, fr in enumerate(frames))
+    sq = sq + sum(t.square().sum() for t in sums[2 * len(frames):])
+    assert float(sq) == pytest.approx(C ** 2, rel=1e-9)
+
+
+def test_injector_samples_each_canary_at_rate_q():
+    opt = _optimizer("dp-adamw")
+    canaries = CanarySet.first(layout_of(opt), root=1, m=50, dtype=torch.float64)
+    inj = CanaryInjector(canaries, 0.2, C, torch.Generator().manual_seed(3))
+    for _ in range(40):
+        inj(opt.coords)
+    # 50 canaries x 40 steps x q = 0.2: 400 expected, sd 12.6
+    assert 340 <= inj.sampled <= 460
