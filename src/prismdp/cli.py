@@ -4,6 +4,7 @@
     prismdp epsilon --sigma S --sample-rate Q --steps T [--delta D]        epsilon of a run
     prismdp epsilon --target-epsilon E --sample-rate Q --steps T           calibrated sigma
     prismdp experiment CONFIG.yaml [--output OUT] [--set KEY=VALUE ...]    a grid of runs + Table-2 style tables
+    prismdp audit [train flags] --canaries M [--canary-kind gradient|input]  one-run privacy audit (audit.json)
 """
 
 from __future__ import annotations
@@ -62,6 +63,26 @@ def _add_train(sub) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _add_audit(sub) -> None:
+    from .audit.run import CANARY_KINDS
+    from .train.config import TrainConfig
+
+    p = sub.add_parser("audit", help="one training run with canaries: an empirical lower bound on its epsilon",
+                       argument_default=argparse.SUPPRESS,
+                       description="Trains like `prismdp train` (same flags) with M canaries, each in the run with "
+                                   "probability 1/2, scores them and writes OUTPUT/audit.json: the epsilon lower bound "
+                                   "(Steinke, Nasr, Jagielski 2023) against the accountant's epsilon. Exits 1 if the "
+                                   "bound exceeds it.")
+    p.add_argument("--config", help="YAML or JSON file with the same keys as the flags")
+    add_config_flags(p, TrainConfig)
+    p.add_argument("--canaries", type=int, default=1000, help="number of canaries m (default 1000)")
+    p.add_argument("--canary-kind", dest="canary_kind", choices=CANARY_KINDS, default="gradient",
+                   help="gradient (white-box: a gradient of norm C in a random direction, default) or input "
+                        "(black-box: random tokens with random labels, scored by their loss)")
+    p.add_argument("--significance", type=float, default=0.05, help="1 - confidence of the bound (default 0.05)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def _add_epsilon(sub) -> None:
     p = sub.add_parser("epsilon", help="epsilon of a run, or the sigma that reaches a target epsilon")
     what = p.add_mutually_exclusive_group(required=True)
@@ -107,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_epsilon(sub)
     _add_experiment(sub)
     _add_diagnose(sub)
+    _add_audit(sub)
     return parser
 
 
@@ -135,6 +157,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(eps)
     print(f"adapter, metrics and privacy report in {cfg.output}")
     return 0
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from .audit.run import run_audit
+    from .train.config import TrainConfig, load_config_file
+
+    own = ("command", "config", "canaries", "canary_kind", "significance", "quiet")
+    values = load_config_file(args.config) if getattr(args, "config", None) else {}
+    values.setdefault("output", "runs/prismdp-audit")
+    values.update({k: v for k, v in vars(args).items() if k not in own})
+    cfg = TrainConfig.from_dict(values, source=args.config if getattr(args, "config", None) else "flags")
+    rep = run_audit(cfg, args.canaries, args.canary_kind, significance=args.significance,
+                    progress=not getattr(args, "quiet", False))
+    print(f"{rep['canary_kind']} canaries: {rep['correct']} of {rep['guesses']} guesses correct (m={rep['m']}); "
+          f"epsilon >= {rep['eps_lower_bound']:.3f} at {1 - rep['significance']:.0%} confidence, accountant "
+          f"{rep['epsilon']:.3f} (delta {rep['delta']:g}): {rep['verdict']} [{rep['runtime_s']:.0f} s, "
+          f"{cfg.output}/audit.json]")
+    return 0 if rep["verdict"] == "consistent" else 1
 
 
 def _cmd_epsilon(args: argparse.Namespace) -> int:
@@ -180,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"train": _cmd_train, "epsilon": _cmd_epsilon, "experiment": _cmd_experiment,
-                "diagnose": _cmd_diagnose}[args.command](args)
+                "diagnose": _cmd_diagnose, "audit": _cmd_audit}[args.command](args)
     except (ValueError, ImportError, FileNotFoundError, BudgetExhaustedError, ModelLoadError, RunExistsError,
             PeerLostError, ReplicaDivergenceError) as e:  # no traceback
         print(f"prismdp {args.command}: error: {e}", file=sys.stderr)

@@ -18,13 +18,14 @@ each.  This is the rule of google-deepmind/jax_privacy's ``CanaryScoreAuditor.ep
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import scipy.optimize
 import scipy.stats
 
-__all__ = ["one_run_p_value", "epsilon_one_run", "guess_counts", "hull_thresholds"]
+__all__ = ["OneRunAudit", "audit_one_run", "one_run_p_value", "epsilon_one_run", "guess_counts", "hull_thresholds"]
 
 
 def _check_counts(m: int, n_guess: int, n_correct: int) -> None:
@@ -105,14 +106,23 @@ def _largest_rejected_eps(m: int, n_guess: int, n_correct: int, alpha: float, de
     return float(scipy.optimize.brentq(gap, lo, hi, xtol=1e-10, rtol=1e-12))
 
 
-def epsilon_one_run(in_scores: Sequence[float], out_scores: Sequence[float], *, delta: float,
-                    significance: float = 0.05) -> float:
-    """Lower bound on epsilon, with confidence ``1 - significance``, from the scores of the included (``in_scores``)
-    and excluded (``out_scores``) canaries of one run; higher scores mean "more likely included".
+@dataclass(frozen=True)
+class OneRunAudit:
+    """The outcome of :func:`audit_one_run`: the bound and the guesses that gave it."""
 
-    The threshold is the best hull vertex (:func:`hull_thresholds`), each tested at ``significance / H``
-    (Bonferroni over the H vertices).  Returns 0 when no claim is rejected.
-    """
+    eps_lower_bound: float
+    threshold: float  # guess "in" at scores >= threshold (+inf: no guess gave a bound)
+    guesses: int
+    correct: int
+    candidates: int  # thresholds in the Bonferroni correction
+    m: int
+    significance: float
+    delta: float
+
+
+def audit_one_run(in_scores: Sequence[float], out_scores: Sequence[float], *, delta: float,
+                  significance: float = 0.05) -> OneRunAudit:
+    """:func:`epsilon_one_run` with the threshold, the number of guesses and of correct ones that gave the bound."""
     ins, outs = np.asarray(in_scores, float), np.asarray(out_scores, float)
     if ins.ndim != 1 or outs.ndim != 1 or ins.size == 0 or outs.size == 0:
         raise ValueError("in_scores and out_scores must be non-empty 1-d sequences of scores")
@@ -122,15 +132,29 @@ def epsilon_one_run(in_scores: Sequence[float], out_scores: Sequence[float], *, 
         raise ValueError(f"significance must be in (0, 1), got {significance!r}")
     if not 0 < delta <= 1:
         raise ValueError(f"delta must be in (0, 1], got {delta!r}")
-    _, fn, tn = hull_thresholds(ins, outs)
+    thresholds, fn, tn = hull_thresholds(ins, outs)
     m, alpha = ins.size + outs.size, significance / len(fn)
     n_correct = ins.size - fn
     n_guess = n_correct + outs.size - tn
-    best = 0.0
+    best, best_k = 0.0, len(fn) - 1  # the last vertex is +inf: no guesses
     # most precise thresholds first, so later ones are usually ruled out by the cheap delta-free test
     for k in sorted(range(len(fn)), key=lambda k: -(n_correct[k] + 1) / (n_guess[k] + 2)):
         g, c = int(n_guess[k]), int(n_correct[k])
         if g == 0 or c / g <= 1.0 / (1.0 + math.exp(-best)):
             continue  # precision at most e^best / (1 + e^best): cannot reject a claim above `best`
-        best = _largest_rejected_eps(m, g, c, alpha, delta, best)
-    return best
+        eps = _largest_rejected_eps(m, g, c, alpha, delta, best)
+        if eps > best:
+            best, best_k = eps, k
+    return OneRunAudit(best, float(thresholds[best_k]), int(n_guess[best_k]), int(n_correct[best_k]), len(fn), m,
+                       significance, delta)
+
+
+def epsilon_one_run(in_scores: Sequence[float], out_scores: Sequence[float], *, delta: float,
+                    significance: float = 0.05) -> float:
+    """Lower bound on epsilon, with confidence ``1 - significance``, from the scores of the included (``in_scores``)
+    and excluded (``out_scores``) canaries of one run; higher scores mean "more likely included".
+
+    The threshold is the best hull vertex (:func:`hull_thresholds`), each tested at ``significance / H``
+    (Bonferroni over the H vertices).  Returns 0 when no claim is rejected.
+    """
+    return audit_one_run(in_scores, out_scores, delta=delta, significance=significance).eps_lower_bound

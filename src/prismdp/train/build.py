@@ -51,15 +51,20 @@ def build_lora_model(cfg: TrainConfig, model: nn.Module, task_type: str) -> tupl
     return get_peft_model(model, lora_cfg), targets, exclude
 
 
-def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, **make_private_kwargs) -> Run:
+def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend_data=None,
+              **make_private_kwargs) -> Run:
     """Load the model and data of ``cfg``, put LoRA on it and make it private (``make_private_kwargs`` go to
-    :func:`~prismdp.engine.make_private`, e.g. ``start=``)."""
+    :func:`~prismdp.engine.make_private`, e.g. ``start=``).  ``extend_data(data, tokenizer, num_labels)`` may add
+    training examples before the run is made private (the audit's input canaries): they are then part of the dataset
+    the sample rate and the accountant see."""
     lr = cfg.lr if cfg.lr is not None else default_lr(cfg)
     torch.manual_seed(cfg.seed)  # the same initial model on every rank (seeds every CUDA device too)
     device = cfg.torch_device(world)
     task_type, num_labels = task_head(cfg)
     model, tokenizer = load_model(cfg.model, task_type, num_labels, dtype=cfg.torch_dtype(), pooling=cfg.pooling)
     data = build_task_data(cfg, tokenizer)
+    if extend_data is not None:
+        extend_data(data, tokenizer, num_labels)
     for key, count in data.notes.items():
         if ("truncated" in key or "masked" in key) and count:
             log(f"[prismdp] {key}: {count} example(s) (max_length={cfg.max_length})")

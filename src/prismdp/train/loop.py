@@ -73,8 +73,11 @@ REPLICA_CHECK_EVERY = 10  # multi-process runs compare the ranks' trained tensor
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = None, progress: bool = True,
-          log=print) -> TrainResult:
+          log=print, setup=None, extend_data=None) -> TrainResult:
     """Run (or resume) one training job; returns the final summary (privacy report and evaluation).
+
+    ``setup(run)`` is called with the built :class:`~prismdp.train.build.Run` before the first step (observers attach
+    their hooks there, e.g. the audit's canaries); ``extend_data`` goes to :func:`~prismdp.train.build.build_run`.
 
     Under ``torchrun`` (or in an initialised process group) every process runs this with the same configuration: they
     train one private run together (:mod:`prismdp.distributed`); rank 0 alone writes files, shows progress and
@@ -96,7 +99,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
                              "it or choose another --output")
     if world is not None:
         world.barrier("start")  # rank 0 has checked the output folder
-    run = build_run(cfg, world=world, log=log)
+    run = build_run(cfg, world=world, log=log, extend_data=extend_data)
+    if setup is not None:
+        setup(run)
     model, private, data, device = run.model, run.private, run.data, run.device
     if main:
         out.mkdir(parents=True, exist_ok=True)
