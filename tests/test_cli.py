@@ -26,6 +26,14 @@ def test_epsilon_command_matches_the_library(capsys):
     sigma = float(capsys.readouterr().out)
     assert sigma == pytest.approx(calibrate_sigma(3.0, 1e-5, 0.02, 300, accountant="rdp"), rel=1e-5)
     assert epsilon(sigma, 0.02, 300, 1e-5, accountant="rdp") <= 3.0
+    assert main(["epsilon", "--sigma", "2", "--sample-rate", "0.1", "--steps", "500", "--delta", "1e-6",
+                 "--accountant", "pld"]) == 0
+    assert float(capsys.readouterr().out) == pytest.approx(epsilon(2.0, 0.1, 500, 1e-6, "pld"), rel=1e-5)
+    assert main(["epsilon", "--sigma", "0.05", "--sample-rate", "0.5", "--steps", "100", "--accountant", "rdp"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == "inf" and "not trusted" in out.err
+    assert main(["epsilon", "--target-epsilon", "1000", "--sample-rate", "0.02", "--steps", "300"]) == 2
+    assert "above 100" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("method, start", [("prism", "method"), ("dp-adamw", "method"), ("dp-adamw", "rank-r")])

@@ -91,7 +91,8 @@ def _add_epsilon(sub) -> None:
     p.add_argument("--sample-rate", type=float, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--delta", type=float, default=1e-5)
-    p.add_argument("--accountant", choices=["prv", "rdp"], default="prv")
+    p.add_argument("--accountant", choices=["prv", "rdp", "pld"], default="prv",
+                   help="Opacus' prv (default) or rdp, or Google dp-accounting's pld")
 
 
 def _add_experiment(sub) -> None:
@@ -181,7 +182,13 @@ def _cmd_epsilon(args: argparse.Namespace) -> int:
     from .privacy import calibrate_sigma, epsilon
 
     if args.sigma is not None:
-        print(f"{epsilon(args.sigma, args.sample_rate, args.steps, args.delta, accountant=args.accountant):.6f}")
+        eps = epsilon(args.sigma, args.sample_rate, args.steps, args.delta, accountant=args.accountant)
+        print(f"{eps:.6f}")
+        if eps == float("inf"):
+            from .privacy.accounting import MAX_EPSILON
+
+            print(f"prismdp epsilon: above {MAX_EPSILON:g}, where the accountants are not trusted: no meaningful "
+                  "guarantee", file=sys.stderr)
     else:
         print(f"{calibrate_sigma(args.target_epsilon, args.delta, args.sample_rate, args.steps, accountant=args.accountant):.6f}")
     return 0

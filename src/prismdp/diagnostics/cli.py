@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seeds", type=_ints, help="comma-separated seeds (default 42)")
     g.add_argument("--epsilon", type=float, help="target epsilon (default 3)")
     g.add_argument("--delta", type=float, help="delta (default 1e-5)")
-    g.add_argument("--accountant", choices=["prv", "rdp"])
+    g.add_argument("--accountant", choices=["prv", "rdp", "pld"])
     g.add_argument("--rank", type=int, help="LoRA rank (default 8)")
     g.add_argument("--alpha", type=float, help="LoRA alpha (default 16)")
     g.add_argument("--dropout", type=float, help="LoRA dropout (default 0)")

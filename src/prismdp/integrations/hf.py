@@ -68,7 +68,7 @@ class PrivacyArguments:
     noise_multiplier: float | None = field(default=None, metadata={"help": "or a fixed noise multiplier sigma"})
     target_delta: float = field(default=1e-5, metadata={"help": "delta (at most 1 / dataset size)"})
     per_sample_max_grad_norm: float = field(default=1.0, metadata={"help": "clipping bound C"})
-    accountant: str = field(default="prv", metadata={"help": "prv or rdp"})
+    accountant: str = field(default="prv", metadata={"help": "prv, rdp (Opacus) or pld (dp-accounting)"})
     expected_batch_size: int = field(default=64, metadata={"help": "expected logical batch (Poisson, examples or "
                                                                     "users)"})
     privacy_unit: str = field(default="example", metadata={"help": "example or user"})

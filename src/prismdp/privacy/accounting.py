@@ -1,4 +1,5 @@
-"""Privacy accounting for T identical Poisson-subsampled Gaussian steps, via Opacus' accountants.
+"""Privacy accounting for T identical Poisson-subsampled Gaussian steps: Opacus' PRV and RDP accountants and Google's
+dp-accounting PLD accountant (:mod:`.pld`), two independent implementations that must agree (tests/test_privacy.py).
 
 Every DP step of the library is the same mechanism: noise multiplier ``sigma``, Poisson rate ``q``, one step of
 a subsampled Gaussian with sensitivity C. A run of ``steps`` such steps is written into an Opacus accountant's
@@ -12,7 +13,12 @@ history as the single entry ``(sigma, q, steps)``, so composition costs one acco
 
 Opacus' PRV accountant returns an upper bound: its estimate plus ``eps_error`` (0.01 by default, kept here), so
 PRV epsilons never fall below ~0.01. RDP uses Opacus' default orders (up to 63), which floors epsilon near 0.1 at
-delta = 1e-5 for very large sigma.
+delta = 1e-5 for very large sigma.  PLD (pessimistic discretisation, interval 1e-4) is an upper bound too.
+
+Epsilons above :data:`MAX_EPSILON` (100) are not trusted: such a guarantee certifies nothing, and the numerical
+accountants leave their accurate range there (PRV's grid overflows to ``ln(max double) = 709.78`` for tiny sigmas, and
+calibrating for them took a minute).  :func:`epsilon` reports them as ``inf``; :func:`calibrate_sigma` refuses such a
+target at once.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from typing import Any
 
 from opacus.accountants import PRVAccountant, RDPAccountant
 
+from .pld import PLDAccountant
+
 __all__ = [
     "ACCOUNTANTS",
     "BudgetExhaustedError",
@@ -34,7 +42,8 @@ __all__ = [
     "report_steps",
 ]
 
-ACCOUNTANTS = {"prv": PRVAccountant, "rdp": RDPAccountant}
+ACCOUNTANTS = {"prv": PRVAccountant, "rdp": RDPAccountant, "pld": PLDAccountant}
+MAX_EPSILON = 100.0  # larger epsilons are reported as inf and refused as targets (see the module docstring)
 MIN_SIGMA = 1e-2  # calibration searches sigma in [MIN_SIGMA, MAX_SIGMA]
 MAX_SIGMA = 1e4
 MAX_STEPS = 10**7  # steps_allowed searches up to this many steps
@@ -84,21 +93,21 @@ def _epsilon(sigma: float, sample_rate: float, steps: int, delta: float, account
         return 0.0
     acc = ACCOUNTANTS[accountant]()
     acc.history = [(sigma, sample_rate, steps)]  # `steps` self-compositions of one subsampled Gaussian
-    if accountant == "rdp":
-        return float(acc.get_epsilon(delta))
     with warnings.catch_warnings():
         # PRV sizes its grid with an internal RDP bound, whose "optimal order is the largest alpha" warning says
         # nothing about the PRV result; numpy also warns about log(0) in the PRV density when q = 1.
         warnings.filterwarnings("ignore", message="Optimal order is the", category=UserWarning)
         warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"opacus\.accountants\.analysis\.prv")
-        return float(acc.get_epsilon(delta))
+        eps = float(acc.get_epsilon(delta))
+    return eps if math.isfinite(eps) and eps <= MAX_EPSILON else math.inf
 
 
 def epsilon(sigma: float, sample_rate: float, steps: int, delta: float, accountant: str = "prv") -> float:
     """Epsilon spent by ``steps`` Poisson-subsampled Gaussian steps (noise multiplier ``sigma``, rate ``q``).
 
     Uses Opacus' ``PRVAccountant`` (an upper bound: estimate + ``eps_error`` = 0.01) or ``RDPAccountant`` with
-    their default settings. Results are memoised per argument tuple, so repeated calls are free.
+    their default settings, or dp-accounting's PLD (``"pld"``). Results are memoised per argument tuple, so repeated
+    calls are free.  Above :data:`MAX_EPSILON` the result is ``inf`` (no meaningful guarantee).
     """
     return _epsilon(
         _check_positive("sigma", sigma),
@@ -124,6 +133,12 @@ def calibrate_sigma(
     """
     target = _check_positive("target_epsilon", target_epsilon)
     delta, q, accountant = _check_delta(delta), _check_sample_rate(sample_rate), _check_accountant(accountant)
+    if target > MAX_EPSILON:
+        raise ValueError(
+            f"target_epsilon={target:g} is above {MAX_EPSILON:g}: a guarantee that weak certifies nothing, and the "
+            "accountants are not accurate there (PRV overflows, calibration takes minutes). Choose an epsilon of at "
+            f"most {MAX_EPSILON:g} (typical: 1-10), or train without privacy (--no-dp)."
+        )
     if _check_steps("steps", steps) == 0:
         raise ValueError("steps must be >= 1 to calibrate sigma (zero steps spend no privacy at any sigma)")
 

@@ -50,7 +50,8 @@ class TrainConfig:
     dp: bool = _opt(True, "non-private run with the same method", flag="--no-dp")
     epsilon: float = _opt(3.0, "target epsilon (default 3)")
     delta: float = _opt(1e-5, "delta (default 1e-5)")
-    accountant: str = _opt("prv", "privacy accountant", choices=("prv", "rdp"))
+    accountant: str = _opt("prv", "privacy accountant: Opacus' prv (default) or rdp, or dp-accounting's pld",
+                           choices=("prv", "rdp", "pld"))
     steps: int | None = _opt(None, "logical steps (default per task family: 500 GLUE, 300 Math, 100 demo)")
     batch_size: float | None = _opt(None, "expected logical batch size (Poisson rate q = batch_size / dataset size)")
     micro_batch_size: int = _opt(8, "examples per forward/backward pass (default 8)")
@@ -135,8 +136,8 @@ class TrainConfig:
             bad("delta", f"must lie in (0, 1), got {self.delta!r}")
         if not 0 <= self.dropout < 1:
             bad("dropout", f"must lie in [0, 1), got {self.dropout!r}")
-        if self.accountant not in ("prv", "rdp"):
-            bad("accountant", f"must be 'prv' or 'rdp', got {self.accountant!r}")
+        if self.accountant not in ("prv", "rdp", "pld"):
+            bad("accountant", f"must be 'prv', 'rdp' or 'pld', got {self.accountant!r}")
         if not isinstance(self.device, str):
             bad("device", f"must be a string such as auto, cpu, cuda or cuda:1, got {self.device!r}")
         if self.device != "auto":
