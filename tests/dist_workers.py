@@ -60,8 +60,9 @@ def trajectory(rank: int, world_size: int, init_file: str, out: str, method: str
         raise
 
 
-def noise_only(rank: int, world_size: int, init_file: str, out: str, steps: int) -> None:
-    """DP-AdamW with no examples at all: the released gradient is pure noise; rank 0 saves it per step."""
+def noise_only(rank: int, world_size: int, init_file: str, out: str, steps: int, secure: bool = False) -> None:
+    """DP-AdamW with no examples at all: the released gradient is pure noise; each rank saves it per step
+    (``secure``: --secure-noise, the ChaCha20 key drawn by rank 0 and broadcast)."""
     try:
         sys.path.insert(0, str(Path(__file__).parent))
         from helpers import tiny_net
@@ -71,7 +72,8 @@ def noise_only(rank: int, world_size: int, init_file: str, out: str, steps: int)
         world = _init(rank, world_size, init_file)
         model = tiny_net(seed=0)
         private = make_private(model, method="dp-adamw", lr=1e-3, dataset_size=100, batch_size=10, steps=10 ** 6,
-                               noise_multiplier=2.0, max_grad_norm=0.5, seed=3, world=world)
+                               noise_multiplier=2.0, max_grad_norm=0.5, seed=None if secure else 3, world=world,
+                               secure_noise=secure)
         released = []
         private.optimizer.attach_step_hook(lambda rec: released.append(torch.cat([v.flatten() for v in rec.release.values])))
         for _ in range(steps):

@@ -51,11 +51,12 @@ def test_two_processes_follow_the_one_process_trajectory(tmp_path, method):
             torch.testing.assert_close(y, x, rtol=1e-10, atol=1e-10)
 
 
-def test_noise_is_added_once_not_once_per_process(tmp_path):
+@pytest.mark.parametrize("secure", [False, True])
+def test_noise_is_added_once_not_once_per_process(tmp_path, secure):
     """Two ranks, empty batches for 400 steps: the released gradient has per-coordinate std sigma C / (q N), not
-    sqrt(2) times it, and is the same on both ranks."""
+    sqrt(2) times it, and is the same on both ranks (secure: from rank 0's ChaCha20 key, broadcast once)."""
     out = tmp_path / "noise"
-    codes = _spawn(dist_workers.noise_only, 2, tmp_path, str(out), 400)
+    codes = _spawn(dist_workers.noise_only, 2, tmp_path, str(out), 400, secure)
     errs = list(tmp_path.glob("noise.err*"))
     assert codes == [0, 0], errs[0].read_text() if errs else codes
     r0, r1 = torch.load(str(out) + ".0"), torch.load(str(out) + ".1")

@@ -8,7 +8,8 @@ The run stays the one-process mechanism, split by examples:
 * clipping is per example, on the rank that holds it; the clipped sums (and the clipping statistics) are all-reduced
   (SUM) once per logical step, through the mechanism's ``reduce`` hook;
 * noise: every rank draws the same Gaussian from one shared stream (seeded identically on every rank; unseeded runs
-  get rank 0's OS-drawn seed, broadcast) and adds it to the same global sum: the release carries one noise draw, not W.
+  get rank 0's OS-drawn seed, broadcast; ``--secure-noise`` runs rank 0's OS-drawn ChaCha20 key, broadcast once) and
+  adds it to the same global sum: the release carries one noise draw, not W.
   Every rank then runs the same optimizer step on the same release, so PRISM's frames, retraction and Adam state stay
   identical; :meth:`World.check_replicas` verifies it (a checksum of the trained tensors) and fails loudly otherwise.
 * no DDP: gradients the mechanism discards are never all-reduced.
@@ -124,6 +125,13 @@ class World:
                 f"after step {step} the processes' trained tensors differ (checksums from {lo.tolist()} to "
                 f"{hi.tolist()}); every rank must apply the same release. Check that all ranks run the same code, "
                 "model, seed and settings.")
+
+    def shared_key(self, nbytes: int = 32) -> bytes:
+        """Rank 0's ``nbytes`` fresh OS-random bytes on every rank (the shared key of ``--secure-noise``'s noise
+        stream: one broadcast at the start, no per-step communication)."""
+        box = [secrets.token_bytes(nbytes) if self.main else None]
+        self._run("shared noise key", lambda: self.dist.broadcast_object_list(box, src=0, group=self.group))
+        return box[0]
 
     def shared_seed(self, seed: int | None) -> int:
         """One seed for every rank: ``seed`` if given (it must be the same everywhere), else rank 0's OS entropy."""

@@ -27,6 +27,7 @@ from .optim import PRISM, dp_adamw, dp_ffa, dp_lamb, dp_lora_plus, dp_lora_rite
 from .privacy import PoissonSampler, PrivacyBudget, calibrate_sigma
 from .privacy.clipping import DPConfig
 from .privacy.mechanism import GaussianMechanism
+from .privacy.secure import SecureRandom
 
 __all__ = ["make_private", "PrivateLoRA", "METHODS", "register_method", "DEFAULT_LR", "set_dense_lr"]
 
@@ -203,7 +204,9 @@ class PrivateLoRA:
         rep = self.budget.report()
         rep.update(private=True, max_grad_norm=self.dp.max_grad_norm, method=self.method,
                    expected_batch_size=self.dp.expected_batch_size,
-                   world_size=1 if self.world is None else self.world.size)
+                   world_size=1 if self.world is None else self.world.size,
+                   secure_noise=isinstance(self.mechanism.noise_source, SecureRandom),
+                   noise_source=self.mechanism.noise_source.describe())
         return rep
 
     # ------------------------------------------------------------------ checkpoints
@@ -283,6 +286,7 @@ def make_private(
     dense_lr: float | None = None,
     start: RankRStart | None = None,
     world: World | None = None,
+    secure_noise: bool = False,
     **method_kwargs,
 ) -> PrivateLoRA:
     """Validate the model, calibrate sigma for exactly ``steps`` Poisson steps and build the optimizer.
@@ -296,8 +300,9 @@ def make_private(
     the method (``None``: the method's own start; PRISM needs the rank-r start).  A ``seed`` also seeds torch's global generator (dropout masks; one
     stream per rank), so a front end's earlier random draws do not change the run.  ``world``: the process group of a multi-process run (default:
     the initialised default group, if it has more than one process; see :mod:`prismdp.distributed`): each process
-    calls ``make_private`` with the same arguments on its copy of the model.  Every check runs before any noise is
-    drawn.
+    calls ``make_private`` with the same arguments on its copy of the model.  ``secure_noise``: Gaussian noise and
+    Poisson inclusions from OS-keyed ChaCha20, noise as Holohan-Braghin sums of normals (:mod:`prismdp.privacy.secure`);
+    it takes no ``seed`` (a seeded stream is predictable).  Every check runs before any noise is drawn.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {sorted(METHODS)}")
@@ -309,6 +314,9 @@ def make_private(
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     if target_epsilon is not None and noise_multiplier is not None:
         raise ValueError("give target_epsilon or noise_multiplier, not both")
+    if secure_noise and seed is not None:
+        raise ValueError("secure_noise draws noise and Poisson samples from an OS-keyed ChaCha20 stream and takes no "
+                         f"seed (got seed={seed!r}; a seeded stream is predictable): pass seed=None")
     spec = METHODS[method]
     if rank_r_start is None:
         rank_r_start = spec.rank_r_start
@@ -337,9 +345,14 @@ def make_private(
         data_gen = torch.Generator().manual_seed(base_seed + 1)
     device = pairs[0].lora_A.weight.device
     mechanism = None
+    if secure_noise:  # one shared noise key (rank 0's, broadcast), one sampling key per rank
+        data_gen = SecureRandom()
     if dp is not None:
-        gen = torch.Generator(device=device)
-        gen.manual_seed(base_seed)
+        if secure_noise:
+            gen = SecureRandom(world.shared_key() if world is not None else None)
+        else:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(base_seed)
         mechanism = GaussianMechanism(dp, generator=gen, budget=budget, device=device,
                                       reduce=world.all_reduce_sum if world is not None else None)
     if start is None and rank_r_start:

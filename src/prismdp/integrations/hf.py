@@ -74,7 +74,9 @@ class PrivacyArguments:
     privacy_unit: str = field(default="example", metadata={"help": "example or user"})
     user_id_column: str | None = field(default=None, metadata={"help": "the dataset column naming each example's "
                                                                         "user (privacy_unit user)"})
-    secure_noise: bool = field(default=False, metadata={"help": "noise from a cryptographically secure generator"})
+    secure_noise: bool = field(default=False, metadata={"help": "noise and Poisson sampling from an OS-keyed "
+                                                                       "ChaCha20 generator (prismdp.privacy.secure); "
+                                                                       "the Trainer's seed then seeds only the model"})
     disable_dp: bool = field(default=False, metadata={"help": "train the same method without clipping and noise"})
     method_kwargs: str | None = field(default=None, metadata={"help": "the method's options as a JSON/YAML mapping, "
                                                                       "e.g. '{preset: reference}'"})
@@ -95,8 +97,6 @@ class PrivacyArguments:
                              "example's user), and user_id_column applies to privacy_unit='user' only")
         if not self.expected_batch_size >= 1:
             raise ValueError(f"PrivacyArguments.expected_batch_size must be >= 1, got {self.expected_batch_size}")
-        if self.secure_noise:
-            raise ValueError("PrivacyArguments.secure_noise is not available in this version of prismdp")
 
     def options(self) -> dict:
         if not self.method_kwargs:
@@ -224,8 +224,8 @@ class PrivacyMixin:
             batch_size=p.expected_batch_size, steps=steps,
             target_epsilon=None if p.disable_dp else p.target_epsilon,
             noise_multiplier=None if p.disable_dp else p.noise_multiplier, delta=p.target_delta,
-            max_grad_norm=p.per_sample_max_grad_norm, accountant=p.accountant, seed=self.args.seed,
-            **p.options())
+            max_grad_norm=p.per_sample_max_grad_norm, accountant=p.accountant,
+            seed=None if p.secure_noise else self.args.seed, secure_noise=p.secure_noise, **p.options())
         self.optimizer = _StepOptimizer(self)
         self._last_stats: dict = {}
         self._steps = steps

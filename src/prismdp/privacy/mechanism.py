@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from .clipping import ClippedSum, ClipStats, DPConfig, clipped_sum, contributing, noise_generator
+from .secure import SecureRandom, TorchNoise
 
 __all__ = ["Coordinates", "Euclidean", "ExampleSource", "GaussianMechanism", "PerExample", "Release", "Reduce"]
 
@@ -99,7 +100,8 @@ class GaussianMechanism:
 
     Args:
         dp: the public constants (noise multiplier sigma, clipping bound C, expected batch size b = q N).
-        generator: the noise source; ``None`` seeds a new one on ``device`` from OS entropy.
+        generator: the noise source: a torch generator (``None`` seeds a new one on ``device`` from OS entropy) or a
+            :class:`~prismdp.privacy.secure.SecureRandom` (``--secure-noise``: ChaCha20, Holohan-Braghin normals).
         budget: optional :class:`~prismdp.privacy.PrivacyBudget` (anything with ``check_step()`` /
             ``record_step()``): a release that would exceed it is refused before any noise is drawn.
         reduce: in-place SUM of the clipped sums and statistics across processes (:mod:`prismdp.privacy.distributed`);
@@ -108,13 +110,17 @@ class GaussianMechanism:
             is skipped on the CPU when every coefficient is > 0; the result is the same).
     """
 
-    def __init__(self, dp: DPConfig, *, generator: torch.Generator | None = None, budget=None,
+    def __init__(self, dp: DPConfig, *, generator: torch.Generator | SecureRandom | None = None, budget=None,
                  reduce: Reduce | None = None, device: torch.device | str = "cpu", always_mask: bool = False):
         self.dp = dp
         self.budget = budget
         self.reduce = reduce
         self.always_mask = always_mask
-        self.generator = noise_generator(torch.device(device), generator)
+        if isinstance(generator, SecureRandom):
+            self.generator, self.noise_source = None, generator
+        else:
+            self.generator = noise_generator(torch.device(device), generator)
+            self.noise_source = TorchNoise(self.generator)
         self.clip = ClippedSum(dp.max_grad_norm)
         self._sums: list[Tensor] | None = None
         self._sources: OrderedDict[int, ExampleSource] = OrderedDict()
@@ -188,7 +194,7 @@ class GaussianMechanism:
         b, std = float(self.dp.expected_batch_size), self.dp.noise_std
         noise = None
         if std > 0:
-            draws = [torch.randn(s.shape, generator=self.generator, dtype=s.dtype, device=s.device) for s in sums]
+            draws = [self.noise_source.normal(s.shape, s.dtype, s.device) for s in sums]
             noise = [std * xi for xi in coords.noise(draws)]
             values = [(s + n) / b for s, n in zip(signal, noise)]
         else:
@@ -199,11 +205,11 @@ class GaussianMechanism:
 
     def state_dict(self) -> dict[str, Any]:
         """The noise generator and the budget (sums are never checkpointed: checkpoints fall between steps)."""
-        return {"generator": self.generator.get_state(),
+        return {"generator": self.noise_source.state_dict(),
                 "budget": self.budget.state_dict() if self.budget is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.generator.set_state(state["generator"])
+        self.noise_source.load_state_dict(state["generator"])
         if self.budget is not None:
             if state.get("budget") is None:
                 raise ValueError("the checkpoint holds no privacy budget, but this run is private with a budget")

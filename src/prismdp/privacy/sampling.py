@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from .secure import SecureRandom
+
 __all__ = ["PoissonSampler", "split_micro_batches"]
 
 T = TypeVar("T", Tensor, Sequence)
@@ -24,7 +26,8 @@ class PoissonSampler:
 
     Each batch is a sorted ``torch.long`` tensor of indices, each index included independently with
     probability ``sample_rate``. ``generator`` is a seed (int), a CPU ``torch.Generator`` (used and advanced in
-    place) or None (a fresh, non-deterministically seeded one). The sampler is a fixed schedule: iterating
+    place), a :class:`~prismdp.privacy.secure.SecureRandom` (``--secure-noise``: inclusions from ChaCha20; a resume
+    continues with the sampler's new key) or None (a fresh, non-deterministically seeded torch generator). The sampler is a fixed schedule: iterating
     continues from the current step and ends after ``steps`` batches in total; :meth:`state_dict` and
     :meth:`load_state_dict` resume it mid-run with exactly the batches an uninterrupted run would produce.
 
@@ -34,7 +37,8 @@ class PoissonSampler:
     """
 
     def __init__(
-        self, dataset_size: int, sample_rate: float, steps: int, generator: int | torch.Generator | None = None,
+        self, dataset_size: int, sample_rate: float, steps: int,
+        generator: int | torch.Generator | SecureRandom | None = None,
         shard: tuple[int, int] = (0, 1),
     ) -> None:
         if isinstance(dataset_size, bool) or not isinstance(dataset_size, numbers.Integral) or dataset_size < 1:
@@ -65,7 +69,10 @@ class PoissonSampler:
         owned = len(range(rank, self.dataset_size, world))
         while self.step < self.steps:
             # float64 uniforms: inclusion probability equals q up to 2^-53
-            u = torch.rand(owned, generator=self.generator, dtype=torch.float64)
+            if isinstance(self.generator, SecureRandom):
+                u = self.generator.uniform(owned)
+            else:
+                u = torch.rand(owned, generator=self.generator, dtype=torch.float64)
             self.step += 1
             yield torch.nonzero(u < self.sample_rate).flatten() * world + rank
 
@@ -77,7 +84,8 @@ class PoissonSampler:
             "steps": self.steps,
             "shard": self.shard,
             "step": self.step,
-            "generator_state": self.generator.get_state(),
+            "generator_state": self.generator.state_dict() if isinstance(self.generator, SecureRandom)
+            else self.generator.get_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -90,11 +98,20 @@ class PoissonSampler:
                 )
         if not 0 <= state["step"] <= self.steps:
             raise ValueError(f"sampler checkpoint step {state['step']!r} is outside [0, {self.steps}]")
-        self.generator.set_state(state["generator_state"].clone())
+        saved_secure = isinstance(state["generator_state"], dict)
+        if saved_secure != isinstance(self.generator, SecureRandom):
+            raise ValueError("sampler checkpoint and this sampler differ in --secure-noise; resume with the run's own "
+                             "setting")
+        if saved_secure:
+            self.generator.load_state_dict(state["generator_state"])  # no key is saved: the new key continues
+        else:
+            self.generator.set_state(state["generator_state"].clone())
         self.step = int(state["step"])
 
 
-def _make_generator(generator: int | torch.Generator | None) -> torch.Generator:
+def _make_generator(generator: int | torch.Generator | SecureRandom | None) -> torch.Generator | SecureRandom:
+    if isinstance(generator, SecureRandom):
+        return generator
     if isinstance(generator, torch.Generator):
         if generator.device.type != "cpu":
             raise ValueError(f"generator must be a CPU torch.Generator, got one on {generator.device}")

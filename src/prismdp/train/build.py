@@ -77,8 +77,9 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
     private = make_private(
         model, method=cfg.method, lr=lr, dataset_size=data.n_units, batch_size=cfg.batch_size, steps=cfg.steps,
         target_epsilon=cfg.epsilon if cfg.dp else None, delta=cfg.delta, max_grad_norm=cfg.max_grad_norm,
-        accountant=cfg.accountant, seed=cfg.seed, init=cfg.init,
+        accountant=cfg.accountant, seed=None if cfg.secure_noise else cfg.seed, init=cfg.init,
         rank_r_start=True if cfg.start == "rank-r" else None, dense_lr=cfg.head_lr, world=world,
+        secure_noise=cfg.secure_noise,
         **make_private_kwargs, **cfg.method_kwargs,
     )
     return Run(cfg, model, tokenizer, data, private, lr, targets, exclude, device, num_labels, world)

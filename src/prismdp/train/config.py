@@ -81,6 +81,9 @@ class TrainConfig:
                              choices=("example", "user"))
     user_id_column: str | None = _opt(None, "the record key naming each example's user (privacy_unit user)")
     seed: int = _opt(42, "seed of the run (sampling, noise, start; default 42)")
+    secure_noise: bool = _opt(False, "noise and Poisson sampling from an OS-keyed ChaCha20 generator, the noise as "
+                                     "Holohan-Braghin sums of normals (not reproducible; --seed then seeds only the "
+                                     "initialisation, dropout and data subsets)")
     max_length: int = _opt(128, "tokens per example (default 128)")
     train_on_inputs: bool = _opt(False, "causal LM tasks: train on the prompt tokens too")
     init: str = _opt("spectral", "the rank-r start: top-r SVD part of the base weight, or a small random one",

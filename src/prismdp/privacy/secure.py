@@ -1,0 +1,111 @@
+"""Secure noise (``--secure-noise``): Gaussian noise and Poisson inclusion from a cryptographically secure generator.
+
+By default prismdp draws noise and Poisson samples from torch's Mersenne Twister, seeded (from the run's seed or from
+the OS).  MT19937 is not a cryptographic generator: its state can be recovered from 624 outputs, and a seeded run's
+noise is reproducible by anyone who knows the seed.  In secure mode:
+
+* **Generator**: ChaCha20 (randomgen's ``ChaCha``, 20 rounds) with a 256-bit key from the operating system
+  (:func:`secrets.token_bytes`), driving numpy's ``Generator``.  ChaCha20 is a standard stream cipher (RFC 8439),
+  vectorised in randomgen and portable (no AES-NI needed, unlike ``AESCounter``), and numpy's samplers run on it
+  unchanged.  OpenDP's samplers are exact but draw one scalar per call through Python, far too slow for millions of
+  noise coordinates per step.  No seed is accepted: :class:`SecureRandom` refuses one.
+* **Floating-point defence**: each noise coordinate is ``(N1 + N2 + N3 + N4) / 2`` of four float64 standard normals
+  (Holohan and Braghin 2021, "Secure Random Sampling in Differential Privacy"; what Opacus' ``secure_mode`` does):
+  the sum has exactly the N(0, 1) law, so the accountant is unchanged, while the set of reachable values and the
+  per-value probabilities no longer carry the lattice artefacts of one float sampler that the attacks of Mironov
+  (2012, Laplace) and Jin et al. (2022, Gaussian samplers incl. Opacus') exploit.  A discrete Gaussian on a fine grid
+  (Canonne, Kamath, Steinke 2020) would be exact but needs its own accounting (its L2 sensitivity after rounding the
+  clipped sum to the grid) and an exact sampler per coordinate; the sum of normals keeps PRV/RDP/PLD valid as they
+  are, costs four normal draws per coordinate, and is the defence the reference DP library ships.
+* **Precision**: the draws are float64 and are cast to the release's dtype, which is never below float32 (the
+  mechanism refuses lower).
+* **Checkpoints and resume**: the key is never written to a checkpoint (anyone holding it could recompute every noise
+  draw and subtract it from the released updates).  A resumed secure run therefore continues with a *fresh* key from
+  the OS: its later steps draw independent noise and samples, which is all the guarantee needs (each step's noise
+  must be independent of everything else), but the run is not bit-for-bit the one an uninterrupted run would have
+  been (no secure run is reproducible anyway).
+* **Several processes** (:mod:`prismdp.distributed`): the noise of the global sum must be one draw shared by all
+  ranks.  Rank 0 draws the key and broadcasts it once (:meth:`prismdp.distributed.World.shared_key`); every rank then
+  draws the same noise locally, with no per-step communication.  That gives no rank anything it does not already hold:
+  every rank receives the noiseless global clipped sum from the all-reduce before the noise is added.  Each rank's
+  Poisson sampling uses its own OS-drawn key (independent inclusions).
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["SecureRandom", "TorchNoise", "KEY_BYTES", "NORMALS_PER_DRAW"]
+
+KEY_BYTES = 32
+NORMALS_PER_DRAW = 4  # Holohan-Braghin: (N1 + ... + N4) / 2
+
+
+class SecureRandom:
+    """ChaCha20 with a 256-bit OS-drawn (or given, e.g. broadcast) key: uniforms for Poisson sampling and
+    Holohan-Braghin normals for noise.  ``key`` is bytes from :func:`secrets.token_bytes`, never a seed."""
+
+    def __init__(self, key: bytes | None = None):
+        from randomgen import ChaCha
+
+        if key is not None and (not isinstance(key, bytes) or len(key) != KEY_BYTES):
+            raise ValueError(f"SecureRandom takes a key of {KEY_BYTES} random bytes (secrets.token_bytes), not a seed; "
+                             f"got {type(key).__name__}")
+        key = secrets.token_bytes(KEY_BYTES) if key is None else key
+        self._gen = np.random.Generator(ChaCha(key=int.from_bytes(key, "little"), rounds=20))
+
+    def describe(self) -> dict[str, Any]:
+        import randomgen
+
+        return {"generator": f"ChaCha20 (randomgen {randomgen.__version__}), 256-bit key from the OS",
+                "gaussian": "Holohan-Braghin sum of 4 float64 normals / 2",
+                "poisson": "float64 uniforms (53 bits) from the same kind of generator, one key per process"}
+
+    def uniform(self, n: int) -> Tensor:
+        """``n`` float64 uniforms on [0, 1) (53 random bits each)."""
+        return torch.from_numpy(self._gen.random(int(n)))
+
+    def normal(self, shape: Sequence[int], dtype: torch.dtype, device) -> Tensor:
+        """Standard normal entries of ``shape`` as ``(N1 + N2 + N3 + N4) / 2`` in float64, cast to ``dtype``."""
+        if torch.finfo(dtype).bits < 32:
+            raise ValueError(f"secure noise is drawn in float32 or wider, not {dtype}")
+        size = (NORMALS_PER_DRAW, *tuple(shape))
+        draws = self._gen.standard_normal(size)
+        total = draws.sum(axis=0) / np.sqrt(NORMALS_PER_DRAW)
+        return torch.from_numpy(total).to(device=device, dtype=dtype)
+
+    # Checkpoints hold no key: a resumed secure run continues with a fresh OS-drawn key (see the module docstring).
+    def state_dict(self) -> dict[str, Any]:
+        return {"secure": True}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not (isinstance(state, dict) and state.get("secure")):
+            raise ValueError("the checkpoint's noise came from torch's generator; this run uses secure noise "
+                             "(resume with the run's own --secure-noise setting)")
+
+
+class TorchNoise:
+    """The default noise source: ``torch.randn`` from a torch generator (seedable, reproducible, not secure)."""
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+
+    def describe(self) -> dict[str, Any]:
+        return {"generator": f"torch {self.generator.device.type} generator (Mersenne Twister on the CPU)",
+                "gaussian": "torch.randn"}
+
+    def normal(self, shape: Sequence[int], dtype: torch.dtype, device) -> Tensor:
+        return torch.randn(tuple(shape), generator=self.generator, dtype=dtype, device=device)
+
+    def state_dict(self) -> Tensor:
+        return self.generator.get_state()
+
+    def load_state_dict(self, state) -> None:
+        if isinstance(state, dict):
+            raise ValueError("the checkpoint's run used secure noise; resume it with --secure-noise")
+        self.generator.set_state(state)
