@@ -35,6 +35,8 @@ from .workloads import ABLATIONS, VARIANTS, WORKLOADS, build_variant
 RATIOS = [  # (name, numerator, denominator, target by workload)
     ("prism / dp-adamw", "prism", "dp-adamw", {"W1": 1.03, "W2": 1.03}),
     ("prism / prism-no-dropout-comp", "prism", "prism-no-dropout-comp", {}),
+    ("prism-secure / prism", "prism-secure", "prism", {}),
+    ("dp-adamw-secure / dp-adamw", "dp-adamw-secure", "dp-adamw", {}),
     ("dp-adamw / opacus-dp-adamw", "dp-adamw", "opacus-dp-adamw", {"W1": 1.00, "W2": 1.00}),
     ("prism / lora-adamw", "prism", "lora-adamw", {"W1": 1.15, "W2": 1.10}),
     ("dp-adamw / lora-adamw", "dp-adamw", "lora-adamw", {}),

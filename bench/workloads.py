@@ -9,6 +9,8 @@ Variants:
 * ``prism``           prismdp's PRISM (``make_private(method="prism")``).
 * ``prism-no-dropout-comp`` (opt-in ablation, not in the default run) PRISM without the hooks that keep LoRA
                       dropout off the rank-r start (``prismdp.lora.StartDropoutCompensation``): their cost.
+* ``prism-secure``, ``dp-adamw-secure`` (opt-in) the same with ``secure_noise=True``: noise and Poisson inclusions
+                      from OS-keyed ChaCha20, noise as Holohan-Braghin sums of four normals (:mod:`prismdp.privacy.secure`).
 * ``opacus-dp-adamw`` Opacus' own DP-AdamW: ``PrivacyEngine.make_private`` (hooks mode) around the same PEFT
                       model, micro-batches as Opacus' virtual steps (``signal_skip_step``), as BatchMemoryManager
                       does.
@@ -27,7 +29,7 @@ import torch
 from torch import nn
 
 VARIANTS = ("lora-adamw", "dp-adamw", "prism", "opacus-dp-adamw")
-ABLATIONS = ("prism-no-dropout-comp",)  # selectable with --variants, not run by default
+ABLATIONS = ("prism-no-dropout-comp", "prism-secure", "dp-adamw-secure")  # selectable with --variants, not by default
 
 
 @dataclass
@@ -176,12 +178,14 @@ def build_variant(name: str, w: Workload, base: nn.Module) -> Variant:
 
         return Variant(name, step)
 
-    if name in ("dp-adamw", "prism", "prism-no-dropout-comp"):
+    if name in ("dp-adamw", "prism", "prism-no-dropout-comp", "prism-secure", "dp-adamw-secure"):
         from prismdp.engine import make_private
 
-        method = "prism" if name == "prism-no-dropout-comp" else name
+        method = "prism" if name.startswith("prism") else "dp-adamw"
+        secure = name.endswith("-secure")
         private = make_private(model, method=method, lr=1e-4, dataset_size=10 * w.batch, batch_size=w.batch,
-                               steps=10 ** 6, noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
+                               steps=10 ** 6, noise_multiplier=1.0, max_grad_norm=1.0, seed=None if secure else 0,
+                               secure_noise=secure)
         private.mechanism.budget = None  # timing only: no accounting in the loop
         if name == "prism-no-dropout-comp":
             private.start.dropout_compensation.remove()

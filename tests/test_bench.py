@@ -60,3 +60,12 @@ def test_micro_benchmark_skips_the_dense_reference_above_its_limit():
     out = run_micro([32, 64], steps=1, warmup=0, dense_max=32, log=lambda *_: None)
     assert out["rows"][0]["dense_median_s"] is not None and out["rows"][1]["dense_median_s"] is None
     assert out["prism_8192_over_1024"] is None
+
+
+def test_secure_noise_variants_are_timed_beside_the_default(tmp_path):
+    assert main(["--workloads", "tiny-bert", "--variants", "prism,prism-secure,dp-adamw,dp-adamw-secure", "--steps",
+                 "2", "--warmup", "0", "--threads", "1", "--no-memory", "--micro-sizes", "32", "--output",
+                 str(tmp_path)]) == 0
+    (res,) = json.loads((tmp_path / "bench.json").read_text())["workloads"]
+    assert {"prism-secure / prism", "dp-adamw-secure / dp-adamw"} <= set(res["ratios"])
+    assert all(res["variants"][v]["mechanism_share"] > 0 for v in ("prism-secure", "dp-adamw-secure"))
