@@ -9,8 +9,9 @@ Variants:
 * ``prism``           prismdp's PRISM (``make_private(method="prism")``).
 * ``prism-no-dropout-comp`` (opt-in ablation, not in the default run) PRISM without the hooks that keep LoRA
                       dropout off the rank-r start (``prismdp.lora.StartDropoutCompensation``): their cost.
-* ``prism-secure``, ``dp-adamw-secure`` (opt-in) the same with ``secure_noise=True``: noise and Poisson inclusions
-                      from OS-keyed ChaCha20, noise as Holohan-Braghin sums of four normals (:mod:`prismdp.privacy.secure`).
+* ``prism-secure``, ``dp-adamw-secure`` (opt-in) the same with ``secure_noise=True``: noise and Poisson
+                      inclusions from OS-keyed ChaCha20, noise as Holohan-Braghin sums of four normals
+                      (:mod:`prismdp.privacy.secure`).
 * ``opacus-dp-adamw`` Opacus' own DP-AdamW: ``PrivacyEngine.make_private`` (hooks mode) around the same PEFT
                       model, micro-batches as Opacus' virtual steps (``signal_skip_step``), as BatchMemoryManager
                       does.

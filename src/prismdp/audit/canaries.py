@@ -74,7 +74,7 @@ def layout_of(optimizer) -> EuclideanLayout | TangentLayout:
 
 
 class CanarySet:
-    """``indices`` of the canaries ``0..m-1`` of a root seed; each one's direction is reproducible from ``(root, j)``."""
+    """``indices`` of the canaries ``0..m-1`` of a root seed; each direction is reproducible from ``(root, j)``."""
 
     def __init__(self, layout, root: int, indices: Sequence[int], dtype: torch.dtype = torch.float32):
         self.layout, self.root, self.indices, self.dtype = layout, int(root), [int(j) for j in indices], dtype

@@ -27,9 +27,10 @@ class PoissonSampler:
     Each batch is a sorted ``torch.long`` tensor of indices, each index included independently with
     probability ``sample_rate``. ``generator`` is a seed (int), a CPU ``torch.Generator`` (used and advanced in
     place), a :class:`~prismdp.privacy.secure.SecureRandom` (``--secure-noise``: inclusions from ChaCha20; a resume
-    continues with the sampler's new key) or None (a fresh, non-deterministically seeded torch generator). The sampler is a fixed schedule: iterating
-    continues from the current step and ends after ``steps`` batches in total; :meth:`state_dict` and
-    :meth:`load_state_dict` resume it mid-run with exactly the batches an uninterrupted run would produce.
+    continues with the sampler's new key) or None (a fresh, non-deterministically seeded torch generator). The
+    sampler is a fixed schedule: iterating continues from the current step and ends after ``steps`` batches in
+    total; :meth:`state_dict` and :meth:`load_state_dict` resume it mid-run with exactly the batches an uninterrupted
+    run would produce (torch generators; a secure sampler resumes with fresh draws).
 
     ``shard=(rank, world_size)``: the sampler of one process of a multi-process run draws the inclusion of its own
     examples ``rank, rank + world_size, ...`` only (with its own generator, independent of the other ranks'); the
