@@ -1,9 +1,13 @@
 """Privacy auditing: an empirical lower bound on a run's epsilon from one training run with canaries.
 
 - :mod:`.statistics` -- pure functions of canary scores (Steinke, Nasr and Jagielski 2023):
-  :func:`one_run_p_value`, :func:`epsilon_one_run`.
+  :func:`one_run_p_value`, :func:`epsilon_one_run` (and :func:`~.statistics.audit_one_run` with the guesses).
+- :mod:`.canaries` / :mod:`.scoring` -- white-box gradient canaries: the trainer's injector (an example source of
+  the mechanism) and the auditor's scorer (a step hook).
+- :mod:`.inputs` -- black-box input canaries (random tokens, random labels) and their losses.
+- :mod:`.run` -- ``prismdp audit``: one run, the coins, the scores, ``audit.json``.
 """
 
-from .statistics import epsilon_one_run, one_run_p_value
+from .statistics import audit_one_run, epsilon_one_run, one_run_p_value
 
-__all__ = ["epsilon_one_run", "one_run_p_value"]
+__all__ = ["audit_one_run", "epsilon_one_run", "one_run_p_value"]
