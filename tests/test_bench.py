@@ -69,3 +69,14 @@ def test_secure_noise_variants_are_timed_beside_the_default(tmp_path):
     (res,) = json.loads((tmp_path / "bench.json").read_text())["workloads"]
     assert {"prism-secure / prism", "dp-adamw-secure / dp-adamw"} <= set(res["ratios"])
     assert all(res["variants"][v]["mechanism_share"] > 0 for v in ("prism-secure", "dp-adamw-secure"))
+
+
+def test_secure_noise_draw_benchmark_writes_its_table(tmp_path):
+    from bench.secure_noise import main as secure_main
+
+    assert secure_main(["--workloads", "tiny-bert", "--rounds", "2", "--dataset", "1000", "--threads", "1",
+                        "--output", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "noise.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["prism", "dp-adamw"]
+    assert all(r["coordinates"] > 0 and r["median_s"]["noise_secure"] > 0 for r in rows)
+    assert "| tiny-bert | prism |" in (tmp_path / "noise.md").read_text()
