@@ -32,30 +32,36 @@ VARIANTS = ("current", "per-module", "qr-norms", "always-mask", "all-off", "dp-a
 def _setup(base, variant):
     from peft import LoraConfig, get_peft_model
 
-    from prismdp.engine import make_private
     from prismdp.grad_sample import PerExampleGrads
+    from prismdp.lora import find_lora_pairs, move_to_rank_r_start, stack_by_shape
+    from prismdp.optim import PRISM, dp_adamw
+    from prismdp.privacy.clipping import DPConfig
+    from prismdp.privacy.mechanism import GaussianMechanism
 
     off = {"per-module", "qr-norms", "always-mask"} if variant == "all-off" else {variant}
-    kwargs = {} if variant == "dp-adamw" else {"stack_by_shape": "per-module" not in off,
-                                                 "norms": "qr" if "qr-norms" in off else "gram"}
     model = get_peft_model(copy.deepcopy(base), LoraConfig(
         r=16, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]))
-    private = make_private(model, method="dp-adamw" if variant == "dp-adamw" else "prism", lr=1e-4,
-                           dataset_size=80, batch_size=8, steps=10 ** 6, noise_multiplier=1.0, seed=0, **kwargs)
-    private.mechanism.budget = None
-    private.mechanism.always_mask = "always-mask" in off
+    pairs = find_lora_pairs(model)
+    # the mechanism alone (sigma 1, C 1, expected batch 8; no budget): each switch is a constructor option
+    mechanism = GaussianMechanism(DPConfig(1.0, 1.0, 8.0), generator=torch.Generator().manual_seed(0),
+                                  always_mask="always-mask" in off)
+    if variant == "dp-adamw":
+        opt = dp_adamw(pairs, lr=1e-4, mechanism=mechanism)
+    else:
+        move_to_rank_r_start(pairs, generator=torch.Generator().manual_seed(2))
+        opt = PRISM(pairs, lr=1e-4, mechanism=mechanism, stack_by_shape="per-module" not in off,
+                    norms="qr" if "qr-norms" in off else "gram")
     g = torch.Generator().manual_seed(0)
     lora = [(torch.randn(4, p.shape[0], 16, generator=g), torch.randn(4, p.shape[1], 16, generator=g))
-            for p in private.pairs]
-    # the sampler's stacked layout, as in training
-    stacked = [(torch.stack([lora[k][0] for k in idx]), torch.stack([lora[k][1] for k in idx]))
-               for idx in private.grad_sampler.stacks]
+            for p in pairs]
+    # the gradient sampler's stacked layout, as in training
+    stacks = stack_by_shape(pairs)
+    stacked = [(torch.stack([lora[k][0] for k in idx]), torch.stack([lora[k][1] for k in idx])) for idx in stacks]
     views = [None] * len(lora)
-    for idx, (gb, ga) in zip(private.grad_sampler.stacks, stacked):
+    for idx, (gb, ga) in zip(stacks, stacked):
         for j, k in enumerate(idx):
             views[k] = (gb[j], ga[j])
-    grads = PerExampleGrads(4, views, stacks=private.grad_sampler.stacks, stacked=stacked)
-    opt = private.optimizer
+    grads = PerExampleGrads(4, views, stacks=stacks, stacked=stacked)
 
     def step():
         opt.accumulate(grads)

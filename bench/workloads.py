@@ -22,6 +22,7 @@ The private variants use a fixed noise multiplier (1.0) and clipping norm 1.0: t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List
@@ -96,30 +97,45 @@ WORKLOADS: Dict[str, Workload] = {
 
 
 class Timer:
-    """Accumulated wall time of wrapped calls (the mechanism's share of a step); with ``count_syncs`` set, also the
-    host synchronisations inside them."""
+    """Accumulated wall time of the calls made through :meth:`call` (the mechanism's share of a step); with
+    ``count_syncs`` set, also the host synchronisations inside them."""
 
     def __init__(self):
         self.seconds = 0.0
         self.count_syncs = False
         self.syncs = 0
 
-    def wrap(self, fn):
+    def call(self, fn, *args, **kwargs):
         from .micro import HostSyncCounter
 
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                if not self.count_syncs:
-                    return fn(*args, **kwargs)
-                with HostSyncCounter() as counter:
-                    out = fn(*args, **kwargs)
-                self.syncs += counter.count
-                return out
-            finally:
-                self.seconds += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        try:
+            if not self.count_syncs:
+                return fn(*args, **kwargs)
+            with HostSyncCounter() as counter:
+                out = fn(*args, **kwargs)
+            self.syncs += counter.count
+            return out
+        finally:
+            self.seconds += time.perf_counter() - t0
 
-        return timed
+
+class TimedOptimizer:
+    """A private run's optimizer with its ``accumulate()`` and ``step()`` (the DP mechanism: clip, noise, update)
+    timed; everything else is the optimizer's own.  Put in by composition (``dataclasses.replace(private,
+    optimizer=...)``), so the optimizer itself is never patched."""
+
+    def __init__(self, optimizer, timer: Timer):
+        self.optimizer, self.timer = optimizer, timer
+
+    def accumulate(self, grads):
+        return self.timer.call(self.optimizer.accumulate, grads)
+
+    def step(self, closure=None):
+        return self.timer.call(self.optimizer.step, closure)
+
+    def __getattr__(self, name):
+        return getattr(self.optimizer, name)
 
 
 @dataclass
@@ -187,12 +203,10 @@ def build_variant(name: str, w: Workload, base: nn.Module) -> Variant:
         private = make_private(model, method=method, lr=1e-4, dataset_size=10 * w.batch, batch_size=w.batch,
                                steps=10 ** 6, noise_multiplier=1.0, max_grad_norm=1.0, seed=None if secure else 0,
                                secure_noise=secure)
-        private.mechanism.budget = None  # timing only: no accounting in the loop
         if name == "prism-no-dropout-comp":
             private.start.dropout_compensation.remove()
         timer = Timer()
-        private.optimizer.accumulate = timer.wrap(private.optimizer.accumulate)
-        private.optimizer.step = timer.wrap(private.optimizer.step)
+        private = dataclasses.replace(private, optimizer=TimedOptimizer(private.optimizer, timer))
 
         def step():
             for ids, mask, labels in data:
@@ -212,13 +226,12 @@ def build_variant(name: str, w: Workload, base: nn.Module) -> Variant:
     gsm, dp_opt, _ = engine.make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
                                          max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode="hooks")
     timer = Timer()
-    dp_opt.step = timer.wrap(dp_opt.step)
 
     def step():
         for i, (ids, mask, labels) in enumerate(data):
             _per_example_losses(w, gsm, ids, mask, labels).mean().backward()
             dp_opt.signal_skip_step(do_skip=i < w.n_micro - 1)  # virtual steps: clip and accumulate, update once
-            dp_opt.step()
+            timer.call(dp_opt.step)
             dp_opt.zero_grad(set_to_none=True)
 
     return Variant(name, step, timer)
