@@ -30,17 +30,18 @@ VARIANTS = ("current", "per-module", "qr-norms", "always-mask", "all-off", "dp-a
 
 
 def _setup(base, variant):
-    from peft import LoraConfig, get_peft_model
-
     from prismdp.grad_sample import PerExampleGrads
     from prismdp.lora import find_lora_pairs, move_to_rank_r_start, stack_by_shape
     from prismdp.optim import PRISM, dp_adamw
     from prismdp.privacy.clipping import DPConfig
     from prismdp.privacy.mechanism import GaussianMechanism
+    from prismdp.train.build import build_lora_model
+    from prismdp.train.config import TrainConfig
 
     off = {"per-module", "qr-norms", "always-mask"} if variant == "all-off" else {variant}
-    model = get_peft_model(copy.deepcopy(base), LoraConfig(
-        r=16, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]))
+    lora_cfg = TrainConfig(rank=16, alpha=16, dropout=0.0,
+                           target_modules=["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"])
+    model = build_lora_model(lora_cfg, copy.deepcopy(base))[0]
     pairs = find_lora_pairs(model)
     # the mechanism alone (sigma 1, C 1, expected batch 8; no budget): each switch is a constructor option
     mechanism = GaussianMechanism(DPConfig(1.0, 1.0, 8.0), generator=torch.Generator().manual_seed(0),

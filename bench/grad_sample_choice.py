@@ -13,20 +13,21 @@ import statistics
 import time
 
 import torch
-from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForSequenceClassification
 
 from prismdp.grad_sample import GradSampler
 from prismdp.lora import find_lora_pairs, move_to_rank_r_start
 from prismdp.losses import classification_losses
 from prismdp.models import default_encoder_path
+from prismdp.train.build import build_lora_model
+from prismdp.train.config import TrainConfig
 
 
 def build():
     torch.manual_seed(0)
     base = AutoModelForSequenceClassification.from_pretrained(default_encoder_path(), num_labels=2)
-    model = get_peft_model(base, LoraConfig(r=16, lora_alpha=16, target_modules=["query", "key", "value"],
-                                            task_type="SEQ_CLS"))
+    cfg = TrainConfig(rank=16, alpha=16, dropout=0.0, target_modules=["query", "key", "value"])
+    model = build_lora_model(cfg, base, "seq_cls")[0]
     model.train()
     pairs = find_lora_pairs(model)
     move_to_rank_r_start(pairs)

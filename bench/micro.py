@@ -51,16 +51,16 @@ class _OneLinear(nn.Module):
 
 
 def _prism_setup(m: int, n: int, r: int, b: int, seed: int = 0):
-    from peft import LoraConfig, get_peft_model
-
     from prismdp.grad_sample import PerExampleGrads
     from prismdp.lora import find_lora_pairs, move_to_rank_r_start
     from prismdp.optim import PRISM
     from prismdp.privacy.clipping import DPConfig
     from prismdp.privacy.mechanism import GaussianMechanism
+    from prismdp.train.build import build_lora_model
+    from prismdp.train.config import TrainConfig
 
     torch.manual_seed(seed)
-    model = get_peft_model(_OneLinear(m, n), LoraConfig(r=r, lora_alpha=r, target_modules=["proj"]))
+    model = build_lora_model(TrainConfig(rank=r, alpha=r, dropout=0.0, target_modules=["proj"]), _OneLinear(m, n))[0]
     pairs = find_lora_pairs(model)
     move_to_rank_r_start(pairs, init="random", generator=torch.Generator().manual_seed(seed))
     opt = PRISM(pairs, lr=1e-3, mechanism=GaussianMechanism(DPConfig(1.0, 1.0, float(b)),

@@ -157,11 +157,11 @@ def _batches(w: Workload, vocab: int, seed: int = 0):
 
 
 def _peft(base: nn.Module, w: Workload) -> nn.Module:
-    from peft import LoraConfig, get_peft_model
+    from prismdp.train.build import build_lora_model
+    from prismdp.train.config import TrainConfig
 
-    cfg = LoraConfig(r=w.rank, lora_alpha=w.rank, lora_dropout=0.05, target_modules=w.targets,
-                     task_type="SEQ_CLS" if w.task_type == "seq_cls" else "CAUSAL_LM")
-    model = get_peft_model(copy.deepcopy(base), cfg)
+    cfg = TrainConfig(rank=w.rank, alpha=w.rank, dropout=0.05, target_modules=w.targets)
+    model = build_lora_model(cfg, copy.deepcopy(base), w.task_type)[0]
     model.train()
     return model
 

@@ -171,3 +171,27 @@ def test_every_diagnostic_writes_a_figure_and_a_table_that_obey_the_theory(tiny_
 def test_diagnose_rejects_bad_settings(capsys):
     assert main(["diagnose", "gauge-sweep", "--gauges", "0,1", "--quiet"]) == 2
     assert "gauges" in capsys.readouterr().err
+
+
+def test_diagnostics_put_lora_where_the_trainer_does(tiny_llama_dir, tmp_path):
+    """The diagnostics' LoRA model comes from the trainer's build_lora_model: on a multimodal Gemma 3 the vision tower
+    gets no LoRA (their own LoraConfig had lost exclude_modules and wrapped the tower's q/k/v)."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from prismdp.diagnostics.runs import Session, Settings
+    from test_experiment import _tiny_gemma3
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    torch.manual_seed(0)
+    gemma_dir = tmp_path / "gemma3"
+    AutoModelForCausalLM.from_config(_tiny_gemma3(len(tok), True)).save_pretrained(gemma_dir)
+    tok.save_pretrained(gemma_dir)
+    data = tmp_path / "train.json"
+    data.write_text(json.dumps([{"instruction": f"add {i} and 1", "input": "", "output": f"{i + 1}"}
+                                for i in range(8)]))
+    s = Settings(model=str(gemma_dir), task="instruct", data=str(data), batch_size=4, micro_batch_size=4, rank=4,
+                 max_length=32, progress=False)
+    wrapped = [n for n, m in Session(s, log=lambda *a: None).peft_model(0).named_modules() if hasattr(m, "lora_A")]
+    assert len(wrapped) == 5 * 2 and not any("vision" in n for n in wrapped)  # 5 kinds x 2 decoder layers

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
-from peft import LoraConfig, get_peft_model
 
 from ..engine import DEFAULT_LR, make_private
 from ..lora import find_lora_pairs, get_factors, move_to_rank_r_start, set_factors
 from ..models import load_model
 from ..privacy import calibrate_sigma
+from ..train.build import build_lora_model
 from ..train.config import TrainConfig
 from ..train.step import backward_batch
 from ..train.tasks import build_task_data, default_targets, task_head
@@ -141,11 +141,8 @@ class Session:
 
     def peft_model(self, seed: int):
         """A fresh LoRA model (PEFT's init, seeded) on a copy of the loaded base model."""
-        s = self.settings
         torch.manual_seed(seed)
-        lcfg = LoraConfig(r=s.rank, lora_alpha=s.alpha, lora_dropout=s.dropout, target_modules=self.targets,
-                          task_type="SEQ_CLS" if self.task_type == "seq_cls" else "CAUSAL_LM")
-        return get_peft_model(copy.deepcopy(self.base), lcfg)
+        return build_lora_model(self.settings.train_config(), copy.deepcopy(self.base), self.task_type)[0]
 
     def rank_r_pairs(self, seed: int, model=None):
         """The LoRA pairs of a fresh model (or of ``model``) after the rank-r start PRISM uses, and the start."""

@@ -41,13 +41,18 @@ def default_lr(cfg: TrainConfig) -> float:
     return table[cfg.method]
 
 
-def build_lora_model(cfg: TrainConfig, model: nn.Module, task_type: str) -> tuple[nn.Module, list[str], str | None]:
-    """``get_peft_model`` with the run's LoRA settings (targets default per model family; a multimodal model's
-    non-text towers excluded); returns the PEFT model, the targets and the exclusion pattern."""
+def build_lora_model(cfg: TrainConfig, model: nn.Module, task_type: str | None = None
+                     ) -> tuple[nn.Module, list[str], str | None]:
+    """``get_peft_model`` with the run's LoRA settings (rank, alpha, dropout; targets default per model family; a
+    multimodal model's non-text towers excluded): the one place a LoRA configuration is made (``prismdp train``, the
+    diagnostics and the benchmarks).  ``task_type`` ``"seq_cls"`` / ``"causal_lm"`` picks PEFT's task wrapper
+    (``None``: a plain ``PeftModel``, e.g. for a bare module).  Returns the PEFT model, the targets and the exclusion
+    pattern."""
     targets = cfg.target_modules or default_targets(model)
     exclude = lora_exclude_modules(model)  # vision tower etc. of a multimodal checkpoint: text-only training
+    peft_task = {"seq_cls": "SEQ_CLS", "causal_lm": "CAUSAL_LM", None: None}[task_type]
     lora_cfg = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-                          exclude_modules=exclude, task_type="SEQ_CLS" if task_type == "seq_cls" else "CAUSAL_LM")
+                          exclude_modules=exclude, task_type=peft_task)
     return get_peft_model(model, lora_cfg), targets, exclude
 
 
