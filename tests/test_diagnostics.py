@@ -78,9 +78,11 @@ def test_gauge_sweep_obeys_the_closed_forms():
 
 @pytest.fixture(scope="module")
 def session(tiny_bert_dir):
-    from prismdp.diagnostics.runs import Session, Settings
+    from prismdp.diagnostics.runs import Session
+    from prismdp.diagnostics.settings import Settings
 
-    s = Settings(model=tiny_bert_dir, synthetic_train=160, batch_size=16, rank=4, max_length=32, progress=False)
+    s = Settings.from_dict(dict(model=tiny_bert_dir, synthetic_train=160, batch_size=16, rank=4, max_length=32,
+                                progress=False))
     return Session(s, log=lambda *a: None)
 
 
@@ -180,7 +182,8 @@ def test_diagnostics_put_lora_where_the_trainer_does(tiny_llama_dir, tmp_path):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from prismdp.diagnostics.runs import Session, Settings
+    from prismdp.diagnostics.runs import Session
+    from prismdp.diagnostics.settings import Settings
     from test_experiment import _tiny_gemma3
 
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
@@ -191,7 +194,7 @@ def test_diagnostics_put_lora_where_the_trainer_does(tiny_llama_dir, tmp_path):
     data = tmp_path / "train.json"
     data.write_text(json.dumps([{"instruction": f"add {i} and 1", "input": "", "output": f"{i + 1}"}
                                 for i in range(8)]))
-    s = Settings(model=str(gemma_dir), task="instruct", data=str(data), batch_size=4, micro_batch_size=4, rank=4,
-                 max_length=32, progress=False)
+    s = Settings.from_dict(dict(model=str(gemma_dir), task="instruct", data=str(data), batch_size=4,
+                                micro_batch_size=4, rank=4, max_length=32, progress=False))
     wrapped = [n for n, m in Session(s, log=lambda *a: None).peft_model(0).named_modules() if hasattr(m, "lora_A")]
     assert len(wrapped) == 5 * 2 and not any("vision" in n for n in wrapped)  # 5 kinds x 2 decoder layers

@@ -15,43 +15,8 @@ import sys
 __all__ = ["main", "build_parser"]
 
 
-def _csv(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
-
-
-def _mapping(text: str) -> dict:
-    import yaml
-
-    value = yaml.safe_load(text)
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a YAML mapping such as '{{preset: reference}}', got {text!r}")
-    return value
-
-
-def add_config_flags(parser, cls) -> None:
-    """One flag per field of the dataclass ``cls`` (``--field-name``; help, choices and the flag's spelling from the
-    field's metadata): lists are comma-separated, mappings YAML, booleans switches.  Unset flags stay unset
-    (``argparse.SUPPRESS``), so a config file and the dataclass defaults fill them."""
-    import dataclasses
-
-    for f in dataclasses.fields(cls):
-        meta, kind = f.metadata, str(f.type)
-        flag = meta.get("flag") or "--" + f.name.replace("_", "-")
-        kw = {"dest": f.name, "help": meta.get("help")}
-        if kind == "bool":
-            kw["action"] = "store_false" if f.default else "store_true"
-        elif kind.startswith("list"):
-            kw["type"] = _csv
-        elif kind.startswith("dict"):
-            kw["type"] = _mapping
-        else:
-            kw["type"] = int if kind.startswith("int") else float if kind.startswith("float") else str
-            if meta.get("choices"):
-                kw["choices"] = list(meta["choices"])
-        parser.add_argument(flag, **kw)
-
-
 def _add_train(sub) -> None:
+    from .flags import add_config_flags
     from .train.config import TrainConfig
 
     p = sub.add_parser("train", help="DP fine-tune a model with LoRA", argument_default=argparse.SUPPRESS,
@@ -96,6 +61,8 @@ def _add_epsilon(sub) -> None:
 
 
 def _add_experiment(sub) -> None:
+    from .flags import csv_list
+
     p = sub.add_parser("experiment", help="run a grid (methods x epsilons x tasks x seeds) and tabulate it",
                        description="Trains every cell of the grid in CONFIG into OUT/<cell id>/ (finished cells are "
                                    "skipped, interrupted ones resumed) and writes OUT/results.csv, results.md and "
@@ -104,10 +71,10 @@ def _add_experiment(sub) -> None:
     p.add_argument("--output", help="OUT folder (default: the file's `output`)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a TrainConfig key in every cell (repeatable), e.g. --set steps=2")
-    p.add_argument("--tasks", type=_csv, help="only these grid task ids")
-    p.add_argument("--methods", type=_csv, help="only these methods")
-    p.add_argument("--privacy", type=_csv, help="only these settings (e.g. 3,non-dp)")
-    p.add_argument("--seeds", type=_csv, help="only these seeds")
+    p.add_argument("--tasks", type=csv_list, help="only these grid task ids")
+    p.add_argument("--methods", type=csv_list, help="only these methods")
+    p.add_argument("--privacy", type=csv_list, help="only these settings (e.g. 3,non-dp)")
+    p.add_argument("--seeds", type=csv_list, help="only these seeds")
     p.add_argument("--dry-run", action="store_true", help="list the selected cells and whether they are done")
     p.add_argument("--tables-only", action="store_true", help="train nothing; rebuild the tables from OUT")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

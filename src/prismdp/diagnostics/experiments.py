@@ -37,14 +37,14 @@ def _steps(session: Session, name: str) -> int:
 
 
 def _setup(session: Session, steps: int, sigma: float | None = None) -> str:
-    s = session.settings
-    lr = ", ".join(f"{m} {s.lr_for(m):g}" for m in COMPARED)
+    s, cfg = session.settings, session.settings.run
+    lr = ", ".join(f"{m} {session.lr_for(m):g}" for m in COMPARED)
     sig = f", sigma {sigma:.3f}" if sigma is not None else ""
-    start = "PEFT init (lora_B = 0)" if s.baseline_start == "peft" else f"the same {s.init} rank-r start as PRISM"
-    return (f"Setup: {session.describe}; LoRA rank {s.rank}, alpha {s.alpha:g} on {','.join(session.targets)}; "
-            f"Poisson batches of expected size b = {s.batch_size:g} (q = {session.sample_rate:.4g}); C = "
-            f"{s.max_grad_norm:g}; epsilon {s.epsilon:g}, delta {s.delta:g} over {steps} steps{sig}; lr {lr}; "
-            f"seeds {','.join(map(str, s.seeds))}; PRISM starts from the compensated {s.init} rank-r point, "
+    start = "PEFT init (lora_B = 0)" if s.baseline_start == "peft" else f"the same {cfg.init} rank-r start as PRISM"
+    return (f"Setup: {session.describe}; LoRA rank {cfg.rank}, alpha {cfg.alpha:g} on {','.join(session.targets)}; "
+            f"Poisson batches of expected size b = {cfg.batch_size:g} (q = {session.sample_rate:.4g}); C = "
+            f"{cfg.max_grad_norm:g}; epsilon {cfg.epsilon:g}, delta {cfg.delta:g} over {steps} steps{sig}; lr {lr}; "
+            f"seeds {','.join(map(str, s.seeds))}; PRISM starts from the compensated {cfg.init} rank-r point, "
             f"DP-AdamW from {start}.")
 
 
@@ -137,7 +137,7 @@ def _swept_factors(session: Session) -> tuple[str, torch.Tensor, torch.Tensor]:
     best = max(pairs, key=lambda p: measures.gauge_statistic(*get_factors(p, torch.float64)))
     A, B = get_factors(best, torch.float64)
     m, n, r = best.shape
-    return f"module {best.name} ({m}x{n}, rank {r}) at the {s.init} rank-r start (balanced factors)", A, B
+    return f"module {best.name} ({m}x{n}, rank {r}) at the {s.run.init} rank-r start (balanced factors)", A, B
 
 
 def gauge_sweep(session: Session) -> Result:
@@ -146,9 +146,9 @@ def gauge_sweep(session: Session) -> Result:
     steps = _steps(session, "gauge-sweep")
     what, A, B = _swept_factors(session)
     m, n, r = A.shape[0], B.shape[0], A.shape[1]
-    sigma = session.sigma(s.epsilon, steps)
-    tau = sigma * s.max_grad_norm / s.batch_size
-    eta = s.lr_for("dp-adamw")
+    sigma = session.sigma(s.run.epsilon, steps)
+    tau = sigma * s.run.max_grad_norm / s.run.batch_size
+    eta = session.lr_for("dp-adamw")
     log10_c = np.linspace(-s.sweep_decades, s.sweep_decades, s.sweep_points)
     d = measures.gauge_sweep(A, B, tau, eta, log10_c, s.draws, torch.Generator().manual_seed(s.seeds[0]))
     theory = {"first": measures.factor_energy(A, B, tau, d.c),
@@ -181,7 +181,7 @@ def gauge_sweep(session: Session) -> Result:
         f"log10 c in linspace({-s.sweep_decades:g}, {s.sweep_decades:g}, {s.sweep_points}), {s.draws} "
         "Monte-Carlo draws per c; median and 10-90% band of the intrinsic noise ||N_Z||_F. Factor-space noise "
         "xi_A, xi_B with i.i.d. N(0, tau^2) entries on A and B, tau = sigma C / b = "
-        f"{tau:.4g} (sigma {sigma:.4g} of a {steps}-step run at epsilon {s.epsilon:g}), step eta = {eta:g}: first "
+        f"{tau:.4g} (sigma {sigma:.4g} of a {steps}-step run at epsilon {s.run.epsilon:g}), step eta = {eta:g}: first "
         "order xi_A B^T + A xi_B^T with E||.||^2 = tau^2 (m ||B/c||_F^2 + n ||cA||_F^2) = tau^2 (m ||B||^2 / c^2 + "
         "n c^2 ||A||^2) (the cross term has mean 0; E[xi_A^T xi_A] = m tau^2 I, E[xi_B^T xi_B] = n tau^2 I), minimal "
         f"at c* = (m ||B||^2 / (n ||A||^2))^(1/4) = {cstar:.4g} with value 2 tau^2 sqrt(mn) ||A|| ||B||; bilinear "
@@ -325,7 +325,7 @@ def sigma_sweep(session: Session) -> Result:
                "amplification_std"]
     caption = (
         f"Issue III (DP noise under adaptive preconditioning): epsilon in {{{', '.join(f'{e:g}' for e in s.epsilons)}}}"
-        f" at fixed C = {s.max_grad_norm:g}, delta = {s.delta:g}, {steps} steps each, the first {s.burn_in} "
+        f" at fixed C = {s.run.max_grad_norm:g}, delta = {s.run.delta:g}, {steps} steps each, the first {s.burn_in} "
         "discarded; x-axis: the realised noise multiplier sigma calibrated for each run. Per step: raw intrinsic "
         "noise ||N_Z||_F (the noise the step actually added, mapped to the merged updates Z, first order, per unit "
         "learning rate, summed over modules as a root-sum-square), the preconditioned ||P^-1/2 xi||_Z (Adam's "

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ..flags import option as _opt  # a field with its command-line help: prismdp train's flags
 
 __all__ = ["TrainConfig", "ConfigError", "FAMILY_DEFAULTS", "load_config_file", "GLUE_TASKS", "TASKS", "CAUSAL_TASKS"]
 
@@ -26,14 +28,6 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the key and the fix."""
-
-
-def _opt(default, help: str, *, flag: str | None = None, choices: tuple | None = None, factory=None):
-    """A TrainConfig field with its command-line help (``prismdp train`` flags are generated from the fields)."""
-    meta = {"help": help, "flag": flag, "choices": choices}
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 @dataclass

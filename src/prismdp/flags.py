@@ -1,0 +1,72 @@
+"""Command-line flags generated from dataclass fields (import-light: no torch).
+
+A settings dataclass declares each field with :func:`option` (its help, and optionally its choices and its flag's
+spelling); :func:`add_config_flags` turns the fields into ``--field-name`` flags.  ``prismdp train`` (from
+:class:`~prismdp.train.config.TrainConfig`) and ``prismdp diagnose`` (from the same TrainConfig fields and
+:class:`~prismdp.diagnostics.settings.Settings`) are built this way, so a setting is declared once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from typing import Mapping, Sequence
+
+__all__ = ["option", "add_config_flags", "csv_list", "yaml_mapping"]
+
+
+def option(default, help: str, *, flag: str | None = None, choices: tuple | None = None, factory=None):
+    """A dataclass field with its command-line help (``flag``: the flag's spelling, e.g. ``--no-dp`` for a switch
+    that turns a default-True field off)."""
+    meta = {"help": help, "flag": flag, "choices": choices}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def csv_list(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def yaml_mapping(text: str) -> dict:
+    import yaml
+
+    value = yaml.safe_load(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a YAML mapping such as '{{preset: reference}}', got {text!r}")
+    return value
+
+
+def _typed_list(kind: str):
+    item = {"list[int]": int, "list[float]": float}.get(kind.split(" |")[0], str)
+    if item is str:
+        return csv_list
+    return lambda text: [item(t) for t in csv_list(text)]
+
+
+def add_config_flags(parser, cls, only: Sequence[str] | None = None, defaults: Mapping | None = None) -> None:
+    """One flag per field of the dataclass ``cls`` declared with :func:`option` (or only the fields ``only``, in
+    that order): lists are comma-separated, mappings YAML, booleans switches.  Unset flags stay unset
+    (``argparse.SUPPRESS``), so a config file and the dataclass defaults fill them.  ``defaults``: the front end's
+    own defaults for some fields, shown in their help instead of the field's ``(default ...)``."""
+    fields = {f.name: f for f in dataclasses.fields(cls) if "help" in f.metadata}
+    for name in only if only is not None else list(fields):
+        f = fields[name]
+        meta, kind = f.metadata, str(f.type)
+        flag = meta.get("flag") or "--" + f.name.replace("_", "-")
+        help = meta.get("help")
+        if defaults and name in defaults:
+            help = re.sub(r"\s*\(default[^)]*\)", "", help) + f" (default {defaults[name]:g})"
+        kw = {"dest": f.name, "help": help, "default": argparse.SUPPRESS}
+        if kind == "bool":
+            kw["action"] = "store_false" if f.default else "store_true"
+        elif kind.startswith("list"):
+            kw["type"] = _typed_list(kind)
+        elif kind.startswith("dict"):
+            kw["type"] = yaml_mapping
+        else:
+            kw["type"] = int if kind.startswith("int") else float if kind.startswith("float") else str
+            if meta.get("choices"):
+                kw["choices"] = list(meta["choices"])
+        parser.add_argument(flag, **kw)
