@@ -271,21 +271,12 @@ class PrivacyMixin:
 
     def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
         """One logical step's forward and backward passes (the optimizer step follows, as ``optimizer.step()``)."""
-        from ..train.step import unit_micro_batches
+        from ..train.step import backward_micro_batches, micro_batch_plan
 
         model = self.model  # never the DDP wrapper: the mechanism reduces what it releases, nothing else is reduced
         model.train()
-        units = inputs["prismdp_units"]
-        micro = self.args.per_device_train_batch_size
-        if self._units is None:
-            batches = [(units[k:k + micro], None) for k in range(0, len(units), micro)]
-        else:  # whole users per micro-batch, in sampled order
-            batches = list(unit_micro_batches([self._units[u] for u in units], None, micro, group_by_length=False))
-        agreed = self.private.micro_steps(len(batches))
-        loss_sum, n = 0.0, 0
-        for ids, groups in batches + [([], None)] * (agreed - len(batches)):
-            if not ids:
-                continue
+
+        def losses_of(ids: list[int]) -> torch.Tensor:
             batch = self.data_collator(self._rows(ids))
             labels = batch.pop("labels", None)
             if labels is None:
@@ -296,14 +287,12 @@ class PrivacyMixin:
                         "return 'labels'")
             batch = self._prepare_inputs({k: v for k, v in batch.items() if k in _MODEL_INPUTS})
             logits = model(**batch).logits
-            losses = per_example_losses(logits, labels.to(logits.device))
-            self.private.backward(losses, groups=None if groups is None else torch.tensor(groups))
-            loss_sum += float(losses.detach().sum())
-            n += len(ids)
-        if self.private.world is not None:
-            total = torch.tensor([loss_sum, float(n)], dtype=torch.float64)
-            self.private.world.all_reduce_sum([total], "training loss")
-            loss_sum, n = float(total[0]), int(total[1])
+            return per_example_losses(logits, labels.to(logits.device))
+
+        # sampled order (whole users per micro-batch with privacy_unit user)
+        plan = micro_batch_plan(inputs["prismdp_units"], None, self.args.per_device_train_batch_size,
+                                group_by_length=False, units=self._units)
+        loss_sum, n = backward_micro_batches(self.private, plan, losses_of)
         return torch.tensor(loss_sum / n if n else 0.0, device=self.args.device)
 
     def log(self, logs: dict, start_time: float | None = None) -> None:

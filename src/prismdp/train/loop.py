@@ -135,12 +135,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
                                          device, cfg.group_by_length, units=data.units)
             stats = private.step()
             step += 1
-            if world is not None:  # the logged loss is the global batch's
-                total = torch.tensor([loss_sum, float(n)], dtype=torch.float64)
-                world.all_reduce_sum([total], "training loss")
-                loss_sum, n = float(total[0]), int(total[1])
-                if step % REPLICA_CHECK_EVERY == 0:
-                    private.check_replicas(step)
+            if world is not None and step % REPLICA_CHECK_EVERY == 0:
+                private.check_replicas(step)
             record = {
                 "step": step,
                 "loss": loss_sum / n if n else None,

@@ -9,14 +9,16 @@ summed), so this is free of privacy consequences; it only changes which dropout 
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
+from torch import Tensor
 
 from ..data.collate import pad_collate
 from ..privacy import split_micro_batches
 
-__all__ = ["micro_batches", "unit_micro_batches", "backward_batch", "model_inputs"]
+__all__ = ["micro_batches", "unit_micro_batches", "micro_batch_plan", "backward_micro_batches", "backward_batch",
+           "model_inputs"]
 
 
 def model_inputs(batch: dict, device: torch.device | None = None) -> dict:
@@ -55,26 +57,48 @@ def unit_micro_batches(units: Sequence[Sequence[int]], examples: Sequence[dict],
         yield micro, groups
 
 
-def backward_batch(private, model, examples: Sequence[dict], loss_fn, indices, micro_batch_size: int, pad_id: int,
-                   device: torch.device | None = None, group_by_length: bool = True,
-                   units: Sequence[Sequence[int]] | None = None) -> tuple[float, int]:
-    """Forward and backward every micro-batch of one logical batch through ``private.backward`` (the optimizer step
-    is the caller's); returns the summed per-example loss and the number of examples (both private: not covered by
-    the DP guarantee).  With ``units`` (user-level privacy) ``indices`` are units, each the list ``units[u]`` of its
-    examples, kept whole in one micro-batch."""
-    loss_sum, n = 0.0, 0
+def micro_batch_plan(indices, examples: Sequence[dict] | None, micro_batch_size: int, group_by_length: bool = True,
+                     units: Sequence[Sequence[int]] | None = None) -> list[tuple[list[int], list[int] | None]]:
+    """The micro-batches of one logical batch as ``(example indices, unit of each example numbered 0..g-1 or
+    None)``.  With ``units`` (user-level privacy) ``indices`` are units, each the list ``units[u]`` of its examples,
+    kept whole in one micro-batch.  ``examples`` (for their lengths) may be None without ``group_by_length``."""
     if units is None:
-        micros = [(m, None) for m in micro_batches(indices, examples, micro_batch_size, group_by_length)]
-    else:
-        micros = list(unit_micro_batches([units[int(u)] for u in indices], examples, micro_batch_size,
-                                         group_by_length))
-    agreed = private.micro_steps(len(micros))  # every rank of a multi-process run runs as many (some empty)
+        return [(m, None) for m in micro_batches(indices, examples, micro_batch_size, group_by_length)]
+    return list(unit_micro_batches([units[int(u)] for u in indices], examples, micro_batch_size, group_by_length))
+
+
+def backward_micro_batches(private, micros: list[tuple[list[int], list[int] | None]],
+                           losses_of: Callable[[list[int]], Tensor]) -> tuple[float, int]:
+    """The micro-batch loop of one logical step (``prismdp train``, the diagnostics and the Hugging Face Trainer):
+    ``losses_of(example indices)`` -> (b,) per-example losses, each micro-batch through ``private.backward`` (the
+    optimizer step is the caller's).  Every rank of a multi-process run runs as many micro-steps (some empty).
+    Returns the summed per-example loss and the number of examples, over every rank (both private: not covered by
+    the DP guarantee)."""
+    loss_sum, n = 0.0, 0
+    agreed = private.micro_steps(len(micros))
     for micro, groups in micros + [([], None)] * (agreed - len(micros)):
         if not micro:
             continue  # an empty micro-batch: nothing to compute (no collective runs inside a micro-step)
-        feats = pad_collate([examples[i] for i in micro], pad_id)
-        losses = loss_fn(model(**model_inputs(feats, device)).logits, feats["labels"].to(device))
+        losses = losses_of(micro)
         private.backward(losses, groups=None if groups is None else torch.tensor(groups))
         loss_sum += float(losses.detach().sum())
         n += losses.numel()
+    if private.world is not None:  # the logged loss is the global batch's
+        total = torch.tensor([loss_sum, float(n)], dtype=torch.float64)
+        private.world.all_reduce_sum([total], "training loss")
+        loss_sum, n = float(total[0]), int(total[1])
     return loss_sum, n
+
+
+def backward_batch(private, model, examples: Sequence[dict], loss_fn, indices, micro_batch_size: int, pad_id: int,
+                   device: torch.device | None = None, group_by_length: bool = True,
+                   units: Sequence[Sequence[int]] | None = None) -> tuple[float, int]:
+    """Forward and backward every micro-batch of one logical batch of tokenised ``examples`` (padded with
+    ``pad_id``; see :func:`micro_batch_plan` and :func:`backward_micro_batches`)."""
+
+    def losses_of(micro: list[int]) -> Tensor:
+        feats = pad_collate([examples[i] for i in micro], pad_id)
+        return loss_fn(model(**model_inputs(feats, device)).logits, feats["labels"].to(device))
+
+    plan = micro_batch_plan(indices, examples, micro_batch_size, group_by_length, units)
+    return backward_micro_batches(private, plan, losses_of)
