@@ -6,8 +6,12 @@ import pytest
 import torch
 
 from prismdp.eval.answers import extract_choice, extract_number
-from prismdp.eval.generation import (evaluate_glue_generation, evaluate_math_generation, expand_eval_tasks, generate,
-                                     resolve_eval_sets, run_eval_sets, table_scores)
+from prismdp.data.tasks import expand_eval_tasks
+from prismdp.eval.decoding import generate
+from prismdp.eval.generation import run_eval_sets
+from prismdp.eval.scoring import evaluate_glue_generation, evaluate_math_generation
+from prismdp.eval.sets import resolve_eval_sets
+from prismdp.experiment.columns import table_scores
 from prismdp.models import load_model
 from prismdp.train.config import ConfigError, TrainConfig
 from prismdp.train.loop import train
@@ -121,7 +125,8 @@ def test_train_glue8_and_instruct_with_generation_eval(tiny_llama_dir, tmp_path)
                 **QUIET)
     s = res.summary
     assert set(s["eval"]) == {"cola", "sst2", "mrpc", "stsb", "mnli_matched", "mnli_mismatched", "qnli", "rte"}
-    assert set(s["eval_missing"]) == {"qqp"} and "qqp" not in s["scores"] and "mnli" in s["scores"]
+    scores = table_scores(s["eval"], "glue8")
+    assert set(s["eval_missing"]) == {"qqp"} and "qqp" not in scores and "mnli" in scores
     assert all(ev["n"] == 3 for ev in s["eval"].values())
     cfg = json.loads((tmp_path / "g8" / "config.json").read_text())
     assert cfg["dataset_size"] == 24 and cfg["data_notes"]["glue8_rte"] == 3 and cfg["eval_tasks"] is None

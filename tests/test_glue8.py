@@ -8,7 +8,8 @@ import pytest
 from prismdp.data import generate_prompt, load_glue, load_instruct_json
 from prismdp.data.glue8 import (GLUE8_TASKS, INSTRUCTIONS, build_glue8, format_output, glue8_examples, glue8_records,
                                 main as glue8_main, to_instruct_record, write_glue8_json)
-from prismdp.eval.answers import GLUE_LABELS, parse_glue_label
+from prismdp.data.tasks import glue_task
+from prismdp.eval.answers import parse_glue_label
 from prismdp.data.splits import seeded_subset
 
 
@@ -83,7 +84,7 @@ def test_instructions_name_the_label_words_and_outputs_parse_back(fake_glue):
         assert set(rec) == {"instruction", "input", "output"}
         assert rec["instruction"] == INSTRUCTIONS[it.task]
         if it.task != "stsb":
-            words = GLUE_LABELS[it.task]
+            words = glue_task(it.task).label_names
             assert all(re.search(rf"\b{w}\b", rec["instruction"]) for w in words), it.task
             assert rec["output"] == words[it.example.label]
         assert parse_glue_label(it.task, rec["output"]) == pytest.approx(it.example.label, abs=0.05)

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from prismdp.data.tasks import GLUE8_TASKS, GLUE_EVAL_SETS
 from prismdp.eval.answers import (
-    GLUE_LABELS,
     extract_choice,
     extract_number,
     is_correct,
@@ -24,8 +24,6 @@ from prismdp.eval.answers import (
     parse_glue_labels,
 )
 from prismdp.eval.metrics import (
-    GLUE8_COLUMNS,
-    GLUE_TASKS,
     accuracy,
     f1_binary,
     glue8_scores,
@@ -188,14 +186,15 @@ def test_glue_metrics_keys():
         assert m == pytest.approx({"f1": 2 / 3, "accuracy": 0.75})  # TP=1 FP=0 FN=1
     m = glue_metrics("stsb", [0.0, 1.0, 2.0], [0.0, 1.0, 4.0])
     assert set(m) == {"pearson", "spearman"} and m["spearman"] == pytest.approx(1.0)
-    assert set(GLUE_TASKS) == {"cola", "sst2", "mrpc", "stsb", "qqp", "mnli_matched", "mnli_mismatched", "qnli", "rte"}
+    assert set(GLUE_EVAL_SETS) == {"cola", "sst2", "mrpc", "stsb", "qqp", "mnli_matched", "mnli_mismatched", "qnli",
+                                   "rte"}
     assert glue_metrics(" CoLA ", y, p) == glue_metrics("cola", y, p)
 
 
 def test_glue_metrics_errors():
     with pytest.raises(ValueError) as exc:
         glue_metrics("wnli", [0], [0])
-    for name in GLUE_TASKS:
+    for name in GLUE_EVAL_SETS:
         assert name in str(exc.value)
     with pytest.raises(ValueError):
         main_score("mnli", {"accuracy": 0.5})  # the combined column is mnli_score
@@ -232,7 +231,7 @@ def test_glue8_scores_row():
     }
     row = glue8_scores(per_task)
     expected = {"cola": 0.4, "sst2": 0.9, "mrpc": 0.75, "stsb": 0.6, "qqp": 0.7, "mnli": 0.75, "qnli": 0.85, "rte": 0.75}
-    assert tuple(c for c in row if c != "avg") == GLUE8_COLUMNS
+    assert tuple(c for c in row if c != "avg") == GLUE8_TASKS
     assert {k: row[k] for k in expected} == pytest.approx(expected)
     assert row["avg"] == pytest.approx(sum(expected.values()) / 8)
     del per_task["qqp"]
@@ -485,7 +484,10 @@ def test_parse_glue_label(task, text, expected):
 
 
 def test_parse_glue_label_all_label_words_round_trip():
-    for task, labels in GLUE_LABELS.items():
+    labelled = {name: t.label_names for name, (t, _) in GLUE_EVAL_SETS.items() if t.label_names}
+    labelled["mnli"] = labelled["mnli_matched"]  # a task is parsed by its name or by one of its eval sets
+    assert len(labelled) == 9
+    for task, labels in labelled.items():
         for idx, word in enumerate(labels):
             for text in (word, word.upper(), f" {word.capitalize()}.", f"Label: {word}\n", f"'{word}'"):
                 assert parse_glue_label(task, text) == idx, (task, text)

@@ -1,10 +1,11 @@
-"""Data building blocks: GLUE readers, LLM-Adapters instruction data, the synthetic demo task, tokenisation
-for classification, and batch collation.  Each submodule has one job; the common names are re-exported here."""
+"""Data building blocks: the task registry (:mod:`.tasks`), GLUE readers, LLM-Adapters instruction data, the synthetic
+demo task, tokenisation for classification, and batch collation.  Each submodule has one job; the common names are
+re-exported here."""
 
 from .classification import EncodedClassification, encode_classification
 from .collate import pad_collate
 from .example import Example
-from .glue import GLUE_TASKS, GlueDataError, GlueTask, glue_task, load_glue
+from .glue import GlueDataError, load_glue
 from .instruct import (
     IGNORE_INDEX,
     InstructDataError,
@@ -15,9 +16,11 @@ from .instruct import (
     tokenize_instruct,
 )
 from .synthetic import make_synthetic_task
+from .tasks import GLUE_TASKS, TASKS, GlueTask, glue_task
 
 __all__ = [
     "Example",
+    "TASKS",
     "GLUE_TASKS",
     "GlueDataError",
     "GlueTask",

@@ -1,4 +1,5 @@
-"""GLUE: task registry and readers for the file layouts we meet offline, with the Hub as the online fallback.
+"""GLUE readers for the file layouts we meet offline, with the Hub as the online fallback (the tasks themselves:
+:data:`prismdp.data.tasks.GLUE_TASKS`).
 
 Layouts understood under ``data_dir`` (the GLUE root, e.g. ``/work/shared/data/glue``; the task folder itself is
 accepted too), per task folder (official GLUE names: ``CoLA``, ``SST-2``, ``MRPC``, ``STS-B``, ``QQP``, ``MNLI``,
@@ -28,11 +29,11 @@ import json
 import math
 import os
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 from .example import Example
+from .tasks import GLUE_TASKS, GlueTask, glue_task  # the registry (re-exported here for the readers' users)
 
 __all__ = [
     "GlueTask",
@@ -53,58 +54,6 @@ class GlueDataError(ValueError):
     """GLUE data that is present but unusable (wrong columns, bad labels, empty, malformed)."""
 
 
-@dataclass(frozen=True)
-class GlueTask:
-    """Static description of one GLUE task.
-
-    ``text_fields`` are the Hugging Face column names (one for single-sentence tasks, two for pair tasks);
-    ``label_names`` follow the HF integer labels (``None`` for the STS-B regression); ``num_labels`` is 1 for
-    STS-B.  ``tsv_columns`` = (text_a, text_b, label) header names of the official TSV (CoLA: column indices,
-    the file has no header).
-    """
-
-    name: str
-    dir_name: str
-    text_fields: Tuple[str, ...]
-    label_names: Optional[Tuple[str, ...]]
-    num_labels: int
-    is_regression: bool
-    splits: Tuple[str, ...]
-    tsv_columns: Tuple[Union[str, int, None], Union[str, int, None], Union[str, int]]
-    tsv_has_header: bool = True
-    tsv_num_columns: Optional[int] = None  # only for header-less files
-
-    @property
-    def is_pair(self) -> bool:
-        return len(self.text_fields) == 2
-
-
-_STD = ("train", "validation")
-_MNLI = ("train", "validation_matched", "validation_mismatched")
-
-GLUE_TASKS: Dict[str, GlueTask] = {
-    t.name: t
-    for t in (
-        GlueTask("cola", "CoLA", ("sentence",), ("unacceptable", "acceptable"), 2, False, _STD,
-                 (3, None, 1), tsv_has_header=False, tsv_num_columns=4),
-        GlueTask("sst2", "SST-2", ("sentence",), ("negative", "positive"), 2, False, _STD,
-                 ("sentence", None, "label")),
-        GlueTask("mrpc", "MRPC", ("sentence1", "sentence2"), ("not_equivalent", "equivalent"), 2, False, _STD,
-                 ("#1 String", "#2 String", "Quality")),
-        GlueTask("stsb", "STS-B", ("sentence1", "sentence2"), None, 1, True, _STD,
-                 ("sentence1", "sentence2", "score")),
-        GlueTask("qqp", "QQP", ("question1", "question2"), ("not_duplicate", "duplicate"), 2, False, _STD,
-                 ("question1", "question2", "is_duplicate")),
-        GlueTask("mnli", "MNLI", ("premise", "hypothesis"), ("entailment", "neutral", "contradiction"), 3, False,
-                 _MNLI, ("sentence1", "sentence2", "gold_label")),
-        GlueTask("qnli", "QNLI", ("question", "sentence"), ("entailment", "not_entailment"), 2, False, _STD,
-                 ("question", "sentence", "label")),
-        GlueTask("rte", "RTE", ("sentence1", "sentence2"), ("entailment", "not_entailment"), 2, False, _STD,
-                 ("sentence1", "sentence2", "label")),
-    )
-}
-
-_TASK_ALIASES = {"sst-2": "sst2", "sts-b": "stsb"}
 _SPLIT_ALIASES = {"dev": "validation", "dev_matched": "validation_matched", "dev_mismatched": "validation_mismatched"}
 _TSV_NAMES = {
     "train": "train.tsv",
@@ -113,15 +62,6 @@ _TSV_NAMES = {
     "validation_mismatched": "dev_mismatched.tsv",
 }
 _FORMATS = ("auto", "hf", "tsv", "subset")
-
-
-def glue_task(name: str) -> GlueTask:
-    """The :class:`GlueTask` for ``name`` (case-insensitive; ``SST-2``/``STS-B`` spellings accepted)."""
-    key = str(name).strip().lower()
-    key = _TASK_ALIASES.get(key, key)
-    if key not in GLUE_TASKS:
-        raise KeyError(f"unknown GLUE task {name!r}; known tasks: {', '.join(GLUE_TASKS)}")
-    return GLUE_TASKS[key]
 
 
 def _canonical_split(task: GlueTask, split: str) -> str:

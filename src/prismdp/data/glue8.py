@@ -19,7 +19,7 @@ Sampling (seeded, per task, independent of the other tasks)
 Instruction format (the PRISM reference code's ``glue_to_instruction_input``)
     A fixed instruction per task that names the task and its label words (:data:`INSTRUCTIONS`); the input lists
     the sentence(s) with field names (``"Sentence: ..."``, ``"Premise: ...\\nHypothesis: ..."``); the output is the
-    label word of the Hugging Face ``glue`` label id (:data:`prismdp.eval.answers.GLUE_LABELS`, e.g.
+    label word of the Hugging Face ``glue`` label id (``GlueTask.label_names`` of :mod:`prismdp.data.tasks`, e.g.
     ``not_equivalent``) or, for STS-B, the similarity score with one decimal (``"3.8"``).  Predictions are read
     back with :func:`prismdp.eval.answers.parse_glue_label`.
 
@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Sequence, Union
 
 from ..atomic import write_json
-from ..eval.answers import GLUE_LABELS
 from .example import Example
 from .splits import seeded_subset
-from .glue import glue_task, load_glue
+from .glue import load_glue
+from .tasks import GLUE8_TASKS, glue_task
 
 __all__ = [
     "GLUE8_TASKS",
@@ -60,8 +60,6 @@ __all__ = [
     "write_glue8_json",
 ]
 
-#: The eight tasks of GLUE8, in the column order of the paper's Table 2.
-GLUE8_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte")
 #: Training examples per task in the paper.
 PER_TASK = 1250
 
@@ -129,7 +127,7 @@ def format_output(task: str, label: Union[int, float]) -> str:
         if not 0.0 <= value <= 5.0:
             raise ValueError(f"STS-B score {label!r} outside [0, 5]")
         return f"{value:.1f}"
-    words = GLUE_LABELS[name]
+    words = glue_task(name).label_names
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(words):
         raise ValueError(f"{name} label {label!r} is not a class id 0..{len(words) - 1}")
     return words[label]

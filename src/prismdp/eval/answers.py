@@ -28,15 +28,15 @@ The gold AQuA answer is compared after ``strip().upper()``.
 GLUE label words (causal-LM generations for the GLUE8 prompts)
 -------------------------------------------------------------
 :func:`parse_glue_label` maps a generation to the integer label ids of the Hugging Face ``glue`` datasets
-(see :data:`GLUE_LABELS`); STS-B gives a float clipped to [0, 5].  Matching is case-insensitive, on whole
-words (a label must not be preceded or followed by a letter, digit or ``_``), and the negated labels are
-tried before their positive substrings, so ``not_entailment`` / ``not entailment`` / ``not-entailment`` never
-read as ``entailment`` and ``unacceptable`` / ``not acceptable`` never read as ``acceptable``.  The FIRST label
-occurrence in the text wins (generations are short label answers that may continue with unrelated text).
-A negated form that is not itself a label (e.g. ``not positive``, ``not neutral``) is ignored, as are
-``yes``/``no``.  STS-B: the FIRST number in the text (commas deleted, as in the authors' ``parse_pred``),
-clipped to [0, 5].  Unparseable -> ``None``.  (The authors' ``parse_pred`` instead falls back to label 0 / 0.0
-for unparseable text; that choice is left to the caller.)
+(the task's ``GlueTask.label_names`` in :mod:`prismdp.data.tasks`); STS-B gives a float clipped to [0, 5].
+Matching is case-insensitive, on whole words (a label must not be preceded or followed by a letter, digit or ``_``),
+and the negated labels are tried before their positive substrings, so ``not_entailment`` / ``not entailment`` /
+``not-entailment`` never read as ``entailment`` and ``unacceptable`` / ``not acceptable`` never read as
+``acceptable``.  The FIRST label occurrence in the text wins (generations are short label answers that may continue
+with unrelated text).  A negated form that is not itself a label (e.g. ``not positive``, ``not neutral``) is ignored,
+as are ``yes``/``no``.  STS-B: the FIRST number in the text (commas deleted, as in the authors' ``parse_pred``),
+clipped to [0, 5].  Unparseable -> ``None``.  (The authors' ``parse_pred`` instead falls back to label 0 / 0.0 for
+unparseable text; that choice is left to the caller.)
 """
 
 from __future__ import annotations
@@ -45,12 +45,13 @@ import math
 import re
 from typing import Any, Iterable, Optional, Sequence, Union
 
+from ..data.tasks import GLUE_EVAL_SETS, GLUE_TASKS, MATH_DATASETS, GlueTask, glue_eval_set, glue_task
+
 __all__ = [
     "NUMERIC_DATASETS",
     "CHOICE_DATASETS",
     "MATH_TOLERANCE",
     "AQUA_RULES",
-    "GLUE_LABELS",
     "extract_number",
     "extract_choice",
     "extract_answer",
@@ -60,8 +61,8 @@ __all__ = [
     "parse_glue_labels",
 ]
 
-NUMERIC_DATASETS = frozenset({"gsm8k", "mawps", "svamp", "addsub", "multiarith", "singleeq"})
-CHOICE_DATASETS = frozenset({"aqua"})
+NUMERIC_DATASETS = frozenset(d.name for d in MATH_DATASETS.values() if d.answer == "number")
+CHOICE_DATASETS = frozenset(d.name for d in MATH_DATASETS.values() if d.answer == "choice")
 MATH_TOLERANCE = 1e-3  # LLM-Adapters: abs(label - predict) <= 0.001
 AQUA_RULES = ("last", "first", "prism")
 
@@ -187,20 +188,6 @@ def math_accuracy(
 # --------------------------------------------------------------------------------------------------------
 # GLUE label words
 # --------------------------------------------------------------------------------------------------------
-#: label id -> label word, per task (Hugging Face ``glue`` integer labels; stsb is a float score).
-GLUE_LABELS: dict[str, tuple[str, ...]] = {
-    "cola": ("unacceptable", "acceptable"),
-    "sst2": ("negative", "positive"),
-    "mrpc": ("not_equivalent", "equivalent"),
-    "qqp": ("not_duplicate", "duplicate"),
-    "mnli": ("entailment", "neutral", "contradiction"),
-    "mnli_matched": ("entailment", "neutral", "contradiction"),
-    "mnli_mismatched": ("entailment", "neutral", "contradiction"),
-    "qnli": ("entailment", "not_entailment"),
-    "rte": ("entailment", "not_entailment"),
-}
-_GLUE_TASK_NAMES = tuple(GLUE_LABELS) + ("stsb",)
-
 _IGNORE = object()  # matched text that must not be read as any label ("not positive", "not neutral")
 _NOT = r"not[\s_\-]*"
 _BOUNDARY_L = r"(?<![a-z0-9_])"
@@ -231,7 +218,20 @@ def _build_label_pattern(labels: tuple[str, ...]) -> tuple[re.Pattern[str], list
     return re.compile(pattern), [v for _, v in alternatives]
 
 
-_LABEL_PATTERNS = {task: _build_label_pattern(labels) for task, labels in GLUE_LABELS.items()}
+_LABEL_PATTERNS = {t.name: _build_label_pattern(t.label_names) for t in GLUE_TASKS.values() if t.label_names}
+
+
+def _label_task(task: str) -> GlueTask:
+    """A GLUE task named by itself or by one of its eval sets (``mnli_matched``)."""
+    try:
+        return glue_task(task)
+    except KeyError:
+        pass
+    try:
+        return glue_eval_set(task)[0]
+    except ValueError:
+        valid = ", ".join(dict.fromkeys((*GLUE_TASKS, *GLUE_EVAL_SETS)))
+        raise ValueError(f"unknown GLUE task {task!r}; valid names: {valid}") from None
 
 
 def parse_glue_label(task: str, text: Optional[str]) -> Optional[Union[int, float]]:
@@ -239,13 +239,11 @@ def parse_glue_label(task: str, text: Optional[str]) -> Optional[Union[int, floa
 
     ``task``: cola, sst2, mrpc, stsb, qqp, mnli (or mnli_matched / mnli_mismatched), qnli, rte.
     """
-    key = str(task).strip().lower()
-    if key not in _GLUE_TASK_NAMES:
-        raise ValueError(f"unknown GLUE task {task!r}; valid names: {', '.join(_GLUE_TASK_NAMES)}")
+    glue = _label_task(task)
     if text is None:
         return None
     s = str(text).lower()
-    if key == "stsb":
+    if glue.is_regression:
         m = _STSB_NUMBER_RE.search(s.replace(",", ""))
         if m is None:
             return None
@@ -253,7 +251,7 @@ def parse_glue_label(task: str, text: Optional[str]) -> Optional[Union[int, floa
         if not math.isfinite(value):
             return None
         return min(5.0, max(0.0, value))
-    pattern, values = _LABEL_PATTERNS[key]
+    pattern, values = _LABEL_PATTERNS[glue.name]
     for m in pattern.finditer(s):
         value = values[m.lastindex - 1]
         if value is not _IGNORE:

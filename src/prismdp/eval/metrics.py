@@ -30,9 +30,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ..data.tasks import GLUE8_TASKS, GLUE_EVAL_SETS, GlueTask, glue_eval_set
+
 __all__ = [
-    "GLUE_TASKS",
-    "GLUE8_COLUMNS",
     "matthews_corrcoef",
     "accuracy",
     "f1_binary",
@@ -44,23 +44,6 @@ __all__ = [
     "mnli_score",
     "glue8_scores",
 ]
-
-#: Task names accepted by :func:`glue_metrics` / :func:`main_score` -> names of the metrics they report.
-GLUE_TASKS: dict[str, tuple[str, ...]] = {
-    "cola": ("mcc",),
-    "sst2": ("accuracy",),
-    "mrpc": ("f1", "accuracy"),
-    "stsb": ("pearson", "spearman"),
-    "qqp": ("f1", "accuracy"),
-    "mnli_matched": ("accuracy",),
-    "mnli_mismatched": ("accuracy",),
-    "qnli": ("accuracy",),
-    "rte": ("accuracy",),
-}
-
-#: The eight GLUE columns of the paper's Table 2, in the paper's order.
-GLUE8_COLUMNS: tuple[str, ...] = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte")
-
 
 # --------------------------------------------------------------------------------------------------------
 # input checking
@@ -187,15 +170,20 @@ def spearman(y_true: Sequence[float], y_pred: Sequence[float]) -> float:
 # --------------------------------------------------------------------------------------------------------
 # GLUE task mapping
 # --------------------------------------------------------------------------------------------------------
-def _check_task(task: str) -> str:
-    key = str(task).strip().lower()
-    if key not in GLUE_TASKS:
-        raise ValueError(f"unknown GLUE task {task!r}; valid names: {', '.join(GLUE_TASKS)}")
-    return key
+def _check_task(task: str) -> GlueTask:
+    """The GLUE task of an eval set named as in :data:`prismdp.data.tasks.GLUE_EVAL_SETS` (``mnli_matched``, ...)."""
+    return glue_eval_set(task)[0]
+
+
+def _f1(y_true, y_pred) -> float:
+    return f1_binary(y_true, y_pred, positive=1)  # the GLUE label id of equivalent / duplicate
+
+
+_METRICS = {"mcc": matthews_corrcoef, "accuracy": accuracy, "f1": _f1, "pearson": pearson, "spearman": spearman}
 
 
 def glue_metrics(task: str, y_true: Sequence[Any], y_pred: Sequence[Any]) -> dict[str, float]:
-    """Standard GLUE metrics of one task.
+    """Standard GLUE metrics of one eval set (the task's ``GlueTask.metrics``).
 
     cola -> {mcc}; sst2, mnli_matched, mnli_mismatched, qnli, rte -> {accuracy};
     mrpc, qqp -> {f1, accuracy} (positive class 1 = equivalent / duplicate, the GLUE label ids);
@@ -205,17 +193,11 @@ def glue_metrics(task: str, y_true: Sequence[Any], y_pred: Sequence[Any]) -> dic
     example map them to a label that is certainly wrong, or to the fallback label of the authors' code,
     which is 0 / 0.0) before calling this.
     """
-    key = _check_task(task)
+    glue = _check_task(task)
     t, p = _check_pair(y_true, y_pred)
     if any(v is None for v in p.tolist()) or any(v is None for v in t.tolist()):
         raise ValueError("y_true/y_pred contain None; map unparsed predictions to a label first")
-    if key == "cola":
-        return {"mcc": matthews_corrcoef(t, p)}
-    if key in ("mrpc", "qqp"):
-        return {"f1": f1_binary(t, p, positive=1), "accuracy": accuracy(t, p)}
-    if key == "stsb":
-        return {"pearson": pearson(t, p), "spearman": spearman(t, p)}
-    return {"accuracy": accuracy(t, p)}
+    return {name: _METRICS[name](t, p) for name in glue.metrics}
 
 
 def _get(metrics: Mapping[str, float], name: str, task: str) -> float:
@@ -225,20 +207,15 @@ def _get(metrics: Mapping[str, float], name: str, task: str) -> float:
 
 
 def main_score(task: str, metrics: Mapping[str, float]) -> float:
-    """The single per-task number of the paper's Table 2 (GLUE leaderboard convention, see module doc).
+    """The single per-task number of the paper's Table 2 (GLUE leaderboard convention, see module doc): the mean of
+    the eval set's metrics.
 
     cola: mcc; sst2 / mnli_matched / mnli_mismatched / qnli / rte: accuracy;
     mrpc / qqp: (f1 + accuracy) / 2; stsb: (pearson + spearman) / 2.
     The Table-2 MNLI column is :func:`mnli_score` (mean of matched and mismatched accuracy).
     """
-    key = _check_task(task)
-    if key == "cola":
-        return _get(metrics, "mcc", key)
-    if key in ("mrpc", "qqp"):
-        return (_get(metrics, "f1", key) + _get(metrics, "accuracy", key)) / 2.0
-    if key == "stsb":
-        return (_get(metrics, "pearson", key) + _get(metrics, "spearman", key)) / 2.0
-    return _get(metrics, "accuracy", key)
+    glue = _check_task(task)
+    return sum(_get(metrics, name, task) for name in glue.metrics) / len(glue.metrics)
 
 
 def mnli_score(matched: Mapping[str, float], mismatched: Mapping[str, float]) -> float:
@@ -247,19 +224,20 @@ def mnli_score(matched: Mapping[str, float], mismatched: Mapping[str, float]) ->
 
 
 def glue8_scores(metrics_by_task: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
-    """Table-2 GLUE8 row from per-task metric dicts (keys: the 9 task names of :data:`GLUE_TASKS`).
+    """Table-2 GLUE8 row from per-set metric dicts (keys: the 9 eval sets of
+    :data:`prismdp.data.tasks.GLUE_EVAL_SETS`).
 
     Returns ``{cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, avg}`` where ``avg`` is the unweighted mean of
     the eight columns.  Raises ``ValueError`` if a task is missing.
     """
-    missing = [t for t in GLUE_TASKS if t not in metrics_by_task]
+    missing = [t for t in GLUE_EVAL_SETS if t not in metrics_by_task]
     if missing:
         raise ValueError(f"missing GLUE tasks: {', '.join(missing)}")
     row = {}
-    for col in GLUE8_COLUMNS:
+    for col in GLUE8_TASKS:
         if col == "mnli":
             row[col] = mnli_score(metrics_by_task["mnli_matched"], metrics_by_task["mnli_mismatched"])
         else:
             row[col] = main_score(col, metrics_by_task[col])
-    row["avg"] = sum(row[c] for c in GLUE8_COLUMNS) / len(GLUE8_COLUMNS)
+    row["avg"] = sum(row[c] for c in GLUE8_TASKS) / len(GLUE8_TASKS)
     return row

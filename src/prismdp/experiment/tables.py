@@ -3,12 +3,13 @@
 average ``Avg``; bold = best per column within a setting; mean ± sample standard deviation over seeds when
 there are several).
 
-The per-task number is the run's ``summary.json`` ``scores`` entry (the paper's convention, see
-:mod:`prismdp.eval.metrics`: CoLA MCC, MRPC/QQP (F1 + acc)/2, STS-B (Pearson + Spearman)/2, MNLI mean of matched and
-mismatched accuracy, math exact-answer accuracy, otherwise accuracy).  ``Avg`` is computed per seed over the columns
-that seed has, then aggregated over seeds; a row missing some of the table's columns gets a dagger.  Eval sets
-that a run could not evaluate (e.g. QQP validation, absent from the offline data) keep their column, shown as
-``–``, and are listed under the table.
+The per-task number is read from the run's ``summary.json`` ``eval`` by
+:func:`prismdp.experiment.columns.table_scores` (a ``scores`` entry of runs written before takes its place; the
+paper's convention, see :mod:`prismdp.eval.metrics`: CoLA MCC, MRPC/QQP (F1 + acc)/2, STS-B (Pearson +
+Spearman)/2, MNLI mean of matched and mismatched accuracy, math exact-answer accuracy, otherwise accuracy).  ``Avg``
+is computed per seed over the columns that seed has, then aggregated over seeds; a row missing some of the table's
+columns gets a dagger.  Eval sets that a run could not evaluate (e.g. QQP validation, absent from the offline data)
+keep their column, shown as ``–``, and are listed under the table.
 """
 
 from __future__ import annotations
@@ -22,19 +23,13 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..atomic import atomic_path, write_text
-from ..eval.generation import MATH_SETS, table_scores
-from ..eval.metrics import GLUE8_COLUMNS
 from ..train.profile import WARMUP_STEPS, run_step_times
+from .columns import CANONICAL, COLUMN_LABELS, GROUPS, table_scores
 from .grid import Cell, Experiment, Setting
 
 __all__ = ["CellResult", "read_cell", "result_rows", "write_csv", "build_table", "render_markdown", "render_latex",
            "write_results", "COLUMN_LABELS", "CSV_FIELDS"]
 
-COLUMN_LABELS = {"cola": "CoLA", "sst2": "SST-2", "mrpc": "MRPC", "stsb": "STS-B", "qqp": "QQP", "mnli": "MNLI",
-                 "qnli": "QNLI", "rte": "RTE", "gsm8k": "GSM8K", "aqua": "AQuA", "mawps": "MAWPS", "svamp": "SVAMP",
-                 "synthetic": "Synthetic"}
-GROUPS = (("GLUE8", GLUE8_COLUMNS), ("Math-10K", MATH_SETS))
-_CANONICAL = (*GLUE8_COLUMNS, *MATH_SETS, "synthetic")
 CSV_FIELDS = ["cell_id", "task_id", "task", "method", "method_label", "setting", "dp", "epsilon_target", "seed",
               "lr", "column", "metric", "value", "epsilon_spent", "delta", "noise_multiplier", "steps", "mean_step_time_s",
               "peak_memory_mb", "eval_time_s", "model"]
@@ -146,7 +141,7 @@ class Table:
 def _column_order(exp: Experiment, present: Sequence[str]) -> List[str]:
     if exp.columns:
         return list(exp.columns) + [c for c in present if c not in exp.columns]
-    known = [c for c in _CANONICAL if c in present]
+    known = [c for c in CANONICAL if c in present]
     return known + [c for c in present if c not in known]
 
 

@@ -10,11 +10,7 @@ from typing import Any
 
 from ..flags import option as _opt  # a field with its command-line help: prismdp train's flags
 
-__all__ = ["TrainConfig", "ConfigError", "FAMILY_DEFAULTS", "load_config_file", "GLUE_TASKS", "TASKS", "CAUSAL_TASKS"]
-
-GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte")
-TASKS = ("synthetic", "instruct", "glue8", *GLUE_TASKS)
-CAUSAL_TASKS = ("instruct", "glue8")  # trained as causal LMs, evaluated by generation (eval_tasks)
+__all__ = ["TrainConfig", "ConfigError", "FAMILY_DEFAULTS", "load_config_file"]
 
 
 # Defaults that depend on the task family: the paper's Appendix B for GLUE-style and Math tasks; for the built-in
@@ -111,8 +107,13 @@ class TrainConfig:
         def bad(key, msg):
             raise ConfigError(f"{key}: {msg}")
 
+        from ..data.tasks import TASKS, expand_eval_tasks  # the task registry (imports torch: not at parse time)
+        from ..eval.answers import AQUA_RULES
+
         if self.task not in TASKS:
             bad("task", f"unknown task {self.task!r}; choose one of {', '.join(TASKS)}")
+        task = TASKS[self.task]
+        causal = [t.name for t in TASKS.values() if t.head == "causal_lm"]
         for key, value in FAMILY_DEFAULTS[self.task_family].items():
             if getattr(self, key) is None:
                 setattr(self, key, value)
@@ -153,7 +154,7 @@ class TrainConfig:
         if self.pooling not in ("model", "mean"):
             bad("pooling", f"must be 'model' (the checkpoint's own classification head) or 'mean' (a new head on "
                            f"the masked mean of the last hidden states), got {self.pooling!r}")
-        if self.pooling == "mean" and self.task in CAUSAL_TASKS:
+        if self.pooling == "mean" and task.head == "causal_lm":
             bad("pooling", f"'mean' builds a classification head; task {self.task!r} trains a causal LM "
                            f"(use pooling: model)")
         if self.init not in ("spectral", "random"):
@@ -166,14 +167,11 @@ class TrainConfig:
                 bad(key, f"must be a positive integer or null, got {v!r}")
         if isinstance(self.glue8_per_task, bool) or not isinstance(self.glue8_per_task, int) or self.glue8_per_task < 1:
             bad("glue8_per_task", f"must be a positive integer, got {self.glue8_per_task!r}")
-        from ..eval.answers import AQUA_RULES
-        from ..eval.generation import expand_eval_tasks
-
         if self.aqua_rule not in AQUA_RULES:
             bad("aqua_rule", f"must be one of {', '.join(AQUA_RULES)}, got {self.aqua_rule!r}")
         if self.eval_tasks is not None:
-            if self.task not in CAUSAL_TASKS:
-                bad("eval_tasks", f"applies to the causal-LM tasks {', '.join(CAUSAL_TASKS)} (generation-based "
+            if task.head != "causal_lm":
+                bad("eval_tasks", f"applies to the causal-LM tasks {', '.join(causal)} (generation-based "
                                   f"evaluation), not to task {self.task!r}")
             try:
                 self.eval_tasks = expand_eval_tasks(self.eval_tasks)
@@ -186,7 +184,7 @@ class TrainConfig:
                                   "user), and --user-id-column applies to privacy_unit user only")
         if isinstance(self.eval_splits, str):
             self.eval_splits = [t.strip() for t in self.eval_splits.split(",") if t.strip()]
-        if (self.holdout_val or self.holdout_test or self.eval_splits) and (self.task not in GLUE_TASKS):
+        if (self.holdout_val or self.holdout_test or self.eval_splits) and task.glue is None:
             bad("holdout_val", f"holdout_val, holdout_test and eval_splits apply to GLUE tasks, not {self.task!r}")
         if isinstance(self.target_modules, str):
             self.target_modules = [t.strip() for t in self.target_modules.split(",") if t.strip()]
@@ -196,9 +194,11 @@ class TrainConfig:
 
     @property
     def task_family(self) -> str:
-        """'math' for instruction tuning (the paper's Math-10K rates), 'demo' for the built-in task, 'glue' otherwise
-        (glue8 trains at the GLUE rates)."""
-        return {"instruct": "math", "synthetic": "demo"}.get(self.task, "glue")
+        """The task's family (:data:`prismdp.data.tasks.TASKS`): 'math' for instruction tuning (the paper's Math-10K
+        rates), 'demo' for the built-in task, 'glue' otherwise (glue8 trains at the GLUE rates)."""
+        from ..data.tasks import TASKS
+
+        return TASKS[self.task].family
 
     def torch_dtype(self):
         import torch

@@ -3,7 +3,8 @@
 Outputs in ``cfg.output``: ``config.json`` (resolved), ``metrics.jsonl`` (one record per step), ``checkpoint.pt``
 (resumable), ``adapter/`` (stock PEFT, for the original base model), ``privacy.json``, ``eval.json`` (per eval set;
 causal-LM tasks are evaluated by greedy generation on ``eval_tasks``, with the generations in ``generations/``)
-and ``summary.json`` (privacy, eval, the Table-2 ``scores`` and any ``eval_missing`` sets).
+and ``summary.json`` (privacy, eval and any ``eval_missing`` sets; ``prismdp experiment`` reads its Table-2 columns
+from eval: :mod:`prismdp.experiment.columns`).
 Every file is written atomically.  The per-step loss and clip fraction in ``metrics.jsonl`` are computed on the
 private training data and are *not* covered by the DP guarantee: keep them with the data.
 """
@@ -194,11 +195,8 @@ def _finish(run, step: int, peak: PeakMemory, progress: bool) -> dict:
                                    max_new_tokens=cfg.max_new_tokens, aqua_rule=cfg.aqua_rule, progress=progress,
                                    generations_dir=out / "generations"))
     if evals:
-        from ..eval.generation import table_scores
-
         write_json(out / "eval.json", evals)
         summary["eval"] = evals
-        summary["scores"] = table_scores(evals, cfg.task)
         summary["eval_time_s"] = time.perf_counter() - t_eval
     if data.gen_eval_missing:
         summary["eval_missing"] = data.gen_eval_missing

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from ..data import build_instruct_dataset, encode_classification, load_glue, load_instruct_json, make_synthetic_task
 from ..data.collate import pad_collate
 from ..data.splits import carve, seeded_subset
+from ..data.tasks import TASKS, glue_task
 from ..eval.metrics import glue_metrics, main_score
 from ..losses import causal_lm_losses, classification_losses
 from .step import model_inputs
@@ -67,7 +68,7 @@ class TaskData:
     eval_sets: dict[str, list[dict]] = field(default_factory=dict)
     task_name: str | None = None  # GLUE metric name
     notes: dict = field(default_factory=dict)  # counts of truncated / fully masked examples
-    gen_eval_sets: list = field(default_factory=list)  # prismdp.eval.generation.EvalSet (causal-LM tasks)
+    gen_eval_sets: list = field(default_factory=list)  # prismdp.eval.sets.EvalSet (causal-LM tasks)
     gen_eval_missing: dict = field(default_factory=dict)  # requested eval sets whose files were not found
     units: list[list[int]] | None = None  # user-level privacy: per user, the indices of its training examples
 
@@ -78,19 +79,14 @@ class TaskData:
 
 
 def task_head(cfg: TrainConfig) -> tuple[str, int | None]:
-    """(task_type, num_labels) the model must be loaded with."""
-    if cfg.task in ("instruct", "glue8"):
-        return "causal_lm", None
-    if cfg.task == "synthetic":
-        return "seq_cls", 2
-    from ..data import glue_task
-
-    return "seq_cls", glue_task(cfg.task).num_labels
+    """(task_type, num_labels) the model must be loaded with (:data:`prismdp.data.tasks.TASKS`)."""
+    task = TASKS[cfg.task]
+    return task.head, task.num_labels
 
 
 def _generation_evals(cfg: TrainConfig) -> tuple[list, dict]:
     """Test sets of a causal-LM task (``eval_tasks``; glue8 defaults to its eight GLUE tasks)."""
-    from ..eval.generation import resolve_eval_sets
+    from ..eval.sets import resolve_eval_sets
 
     names = cfg.eval_tasks if cfg.eval_tasks is not None else (["glue8"] if cfg.task == "glue8" else [])
     if not names:
@@ -102,7 +98,7 @@ def _generation_evals(cfg: TrainConfig) -> tuple[list, dict]:
 
 
 def build_task_data(cfg: TrainConfig, tokenizer) -> TaskData:
-    if cfg.task in ("instruct", "glue8"):
+    if TASKS[cfg.task].head == "causal_lm":
         if cfg.task == "glue8":
             from ..data.glue8 import build_glue8, glue8_records
 
@@ -141,16 +137,14 @@ def build_task_data(cfg: TrainConfig, tokenizer) -> TaskData:
         evals = {"test": test_ex}
         num_labels, task_name = 2, None
     else:
-        from ..data import glue_task
-
-        task = glue_task(cfg.task)
+        task = TASKS[cfg.task].glue
         num_labels, task_name = task.num_labels, task.name
         pool = load_glue(task.name, "train", cfg.data)
         held = [(k, n) for k, n in (("test", cfg.holdout_test), ("val", cfg.holdout_val)) if n]
         pool, evals = carve(pool, held) if held else (pool, {})
         train_ex = seeded_subset(pool, cfg.train_examples, cfg.seed)
         if not cfg.holdout_test:  # the official dev set(s)
-            splits = [s for s in task.splits if s != "train"]
+            splits = task.eval_splits
             unknown = [s for s in cfg.eval_splits or () if s not in splits]
             if unknown:
                 raise ConfigError(f"eval_splits: {unknown} are not {task.name} validation splits ({', '.join(splits)})")
@@ -192,8 +186,10 @@ def evaluate_classification(model: nn.Module, features: list[dict], pad_id: int,
         out = {"accuracy": float((y_pred == y_true).float().mean())}
         out["majority_baseline"] = float(torch.bincount(y_true).max()) / len(y_true)
     if task_name is not None:
-        metrics = glue_metrics(task_name if task_name != "mnli" else "mnli_matched", y_true.tolist(), y_pred.tolist())
+        glue = glue_task(task_name)
+        metric_task = glue.eval_set_name(glue.eval_splits[0])  # MNLI: mnli_matched (its metrics: accuracy)
+        metrics = glue_metrics(metric_task, y_true.tolist(), y_pred.tolist())
         out.update(metrics)
-        out["score"] = main_score(task_name if task_name != "mnli" else "mnli_matched", metrics)
+        out["score"] = main_score(metric_task, metrics)
     out["n"] = len(features)
     return out
