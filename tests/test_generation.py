@@ -63,6 +63,22 @@ def test_glue_scoring_counts_unparsed_as_wrong():
     assert mm["accuracy"] == 0.5
 
 
+def test_one_aqua_rule_default():
+    """The AQuA letter rule defaults to upstream LLM-Adapters' (first capital A-E) everywhere: the answer functions,
+    the scorer and TrainConfig (whose field is declared without importing eval, so it is compared here)."""
+    import dataclasses
+    import inspect
+
+    from prismdp.eval.answers import AQUA_RULES, DEFAULT_AQUA_RULE, extract_answer, is_correct, math_accuracy
+
+    assert DEFAULT_AQUA_RULE == "first"
+    field = {f.name: f for f in dataclasses.fields(TrainConfig)}["aqua_rule"]
+    assert field.default == DEFAULT_AQUA_RULE and tuple(field.metadata["choices"]) == AQUA_RULES
+    for fn, arg in ((extract_choice, "rule"), (extract_answer, "aqua_rule"), (is_correct, "aqua_rule"),
+                    (math_accuracy, "aqua_rule"), (evaluate_math_generation, "aqua_rule"), (run_eval_sets, "aqua_rule")):
+        assert inspect.signature(fn).parameters[arg].default == DEFAULT_AQUA_RULE, fn.__name__
+
+
 def test_math_scoring_uses_gold_answer_and_records_aqua_rule():
     res = evaluate_math_generation("aqua", ["Answer: (C) because", "nothing", "B"], ["C", "A", "B"])
     assert res["aqua_rule"] == "first" and res["unparsed"] == 1

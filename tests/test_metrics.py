@@ -16,6 +16,7 @@ import pytest
 
 from prismdp.data.tasks import GLUE8_TASKS, GLUE_EVAL_SETS
 from prismdp.eval.answers import (
+    DEFAULT_AQUA_RULE,
     extract_choice,
     extract_number,
     is_correct,
@@ -304,12 +305,15 @@ def test_is_correct_tolerance_and_errors():
 
 
 def test_extract_choice_rules():
+    # the default is upstream LLM-Adapters' evaluate.py (extract_answer_letter): the FIRST capital A-E, so
+    # "Answer" contributes the A
+    assert DEFAULT_AQUA_RULE == "first"
+    assert extract_choice("Answer: (C)") == "A" == extract_choice("Answer: (C)", rule="first")
     assert extract_choice("The answer is (C).") == "C"
-    assert extract_choice("Answer: (C)") == "C"
-    assert extract_choice("the answer is c") is None  # 'last' is case-sensitive
+    assert extract_choice("The answer is (C).", rule="last") == "C"
+    assert extract_choice("Answer: (C)", rule="last") == "C"
+    assert extract_choice("the answer is c", rule="last") is None  # 'last' is case-sensitive
     assert extract_choice("") is None and extract_choice(None) is None
-    # upstream LLM-Adapters takes the FIRST capital A-E: "Answer" contributes the A
-    assert extract_choice("Answer: (C)", rule="first") == "A"
     assert extract_choice("(B) because Each...", rule="last") == "E"
     assert extract_choice("(B) because Each...", rule="prism") == "B"  # last standalone letter
     assert extract_choice("the answer is c", rule="prism") == "C"
@@ -382,16 +386,17 @@ HAND_AQUA = [
 def test_aqua_real_records(index, gold, last, first, prism):
     rec = _load_math("aqua")[index]
     assert rec["answer"] == gold
-    assert extract_choice(rec["output"]) == last
-    assert extract_choice(rec["output"], rule="first") == first
+    assert extract_choice(rec["output"], rule="last") == last
+    assert extract_choice(rec["output"]) == first == extract_choice(rec["output"], rule="first")
     assert extract_choice(rec["output"], rule="prism") == prism
-    assert is_correct("aqua", rec["output"], gold) is (last == gold)
+    assert is_correct("aqua", rec["output"], gold, aqua_rule="last") is (last == gold)
+    assert is_correct("aqua", rec["output"], gold) is (first == gold)
 
 
 def test_aqua_rule_disagreement_counts_documented():
     recs = _load_math("aqua")
     outs = [r["output"] for r in recs]
-    last = [extract_choice(o) for o in outs]
+    last = [extract_choice(o, rule="last") for o in outs]
     assert sum(a != extract_choice(o, rule="first") for a, o in zip(last, outs)) == 48
     assert sum(a != extract_choice(o, rule="prism") for a, o in zip(last, outs)) == 1
 

@@ -12,11 +12,11 @@ i.e. always wrong; here it is additionally counted as *unparsed*).
 
 AQuA (multiple choice A-E).  Three rules exist in the wild; ``extract_choice(text, rule=...)``:
 
-* ``"last"`` (default): the LAST capital letter A-E anywhere in the text, case-sensitive (``re.findall('[A-E]')[-1]``).
-  This is the convention the project asked for.
-* ``"first"``: upstream AGI-Edgerunners/LLM-Adapters ``evaluate.py::extract_answer_letter`` verbatim --
-  ``re.findall(r'A|B|C|D|E', text.strip())[0]``, i.e. the FIRST capital A-E (so ``"Answer: (C)"`` gives
-  ``"A"``).  On the archived model outputs in ``aqua_test.json`` it disagrees with ``"last"`` on 48 of 254.
+* ``"first"`` (default, :data:`DEFAULT_AQUA_RULE`, everywhere in prismdp): upstream AGI-Edgerunners/LLM-Adapters
+  ``evaluate.py::extract_answer_letter`` verbatim -- ``re.findall(r'A|B|C|D|E', text.strip())[0]``, i.e. the FIRST
+  capital A-E (so ``"Answer: (C)"`` gives ``"A"``): the protocol the paper names.
+* ``"last"``: the LAST capital letter A-E anywhere in the text, case-sensitive (``re.findall('[A-E]')[-1]``).  On
+  the archived model outputs in ``aqua_test.json`` it disagrees with ``"first"`` on 48 of 254.
 * ``"prism"``: the evaluator shipped with the PRISM code (``LLM-Adapters/evaluate.py`` of the
   ZsyRock/PRISM-DP-LoRA fork, ``_extract_answer_letter``): upper-case the text, take the last A-E that is not
   adjacent to another letter A-Z, else fall back to the last A-E anywhere.  It agrees with ``"last"`` on 253 of
@@ -52,6 +52,7 @@ __all__ = [
     "CHOICE_DATASETS",
     "MATH_TOLERANCE",
     "AQUA_RULES",
+    "DEFAULT_AQUA_RULE",
     "extract_number",
     "extract_choice",
     "extract_answer",
@@ -64,7 +65,8 @@ __all__ = [
 NUMERIC_DATASETS = frozenset(d.name for d in MATH_DATASETS.values() if d.answer == "number")
 CHOICE_DATASETS = frozenset(d.name for d in MATH_DATASETS.values() if d.answer == "choice")
 MATH_TOLERANCE = 1e-3  # LLM-Adapters: abs(label - predict) <= 0.001
-AQUA_RULES = ("last", "first", "prism")
+AQUA_RULES = ("first", "last", "prism")
+DEFAULT_AQUA_RULE = "first"  # upstream LLM-Adapters evaluate.py
 
 _NUMBER_RE = re.compile(r"-?\d+\.?\d*")  # LLM-Adapters extract_answer_number
 _LETTER_RE = re.compile(r"[A-E]")
@@ -85,7 +87,7 @@ def extract_number(text: Optional[str]) -> Optional[float]:
     return value if math.isfinite(value) else None
 
 
-def extract_choice(text: Optional[str], rule: str = "last") -> Optional[str]:
+def extract_choice(text: Optional[str], rule: str = DEFAULT_AQUA_RULE) -> Optional[str]:
     """AQuA option letter ``"A"``-``"E"`` from ``text`` (see module doc for ``rule``); ``None`` if none."""
     if rule not in AQUA_RULES:
         raise ValueError(f"unknown AQuA rule {rule!r}; valid: {', '.join(AQUA_RULES)}")
@@ -131,7 +133,8 @@ def _gold_choice(gold: Any) -> str:
     return g
 
 
-def extract_answer(dataset: str, generation: Optional[str], aqua_rule: str = "last") -> Optional[Union[float, str]]:
+def extract_answer(dataset: str, generation: Optional[str], aqua_rule: str = DEFAULT_AQUA_RULE
+                   ) -> Optional[Union[float, str]]:
     """The answer the LLM-Adapters protocol reads from ``generation``: the last number (AQuA: an option letter by
     ``aqua_rule``), or None when there is none."""
     if _dataset_key(dataset) in CHOICE_DATASETS:
@@ -149,7 +152,7 @@ def _judge(key: str, generation: Optional[str], gold: Any, aqua_rule: str) -> tu
     return abs(pred - _gold_number(gold)) <= MATH_TOLERANCE, True
 
 
-def is_correct(dataset: str, generation: Optional[str], gold: Any, aqua_rule: str = "last") -> bool:
+def is_correct(dataset: str, generation: Optional[str], gold: Any, aqua_rule: str = DEFAULT_AQUA_RULE) -> bool:
     """Whether ``generation`` answers ``gold`` under the LLM-Adapters protocol (unparseable -> False).
 
     ``dataset`` is case-insensitive (``"AQuA"``, ``"SVAMP"`` ...); an unknown name or a malformed gold raises
@@ -162,7 +165,7 @@ def math_accuracy(
     dataset: str,
     generations: Sequence[Optional[str]],
     golds: Sequence[Any],
-    aqua_rule: str = "last",
+    aqua_rule: str = DEFAULT_AQUA_RULE,
 ) -> dict[str, Union[float, int]]:
     """``{"accuracy", "n", "correct", "unparsed"}`` over a test set.
 

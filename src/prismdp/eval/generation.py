@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Union
 
 from ..atomic import write_text
+from .answers import DEFAULT_AQUA_RULE
 from .decoding import generate
 from .scoring import evaluate_glue_generation, evaluate_math_generation
 from .sets import EvalSet
@@ -22,7 +23,7 @@ DEFAULT_MAX_NEW_TOKENS = {"glue": 8, "math": 256}
 
 
 def run_eval_sets(model, tokenizer, sets: Sequence[EvalSet], *, batch_size: int = 16,
-                  max_new_tokens: Optional[int] = None, aqua_rule: str = "first", unparsed: str = "wrong",
+                  max_new_tokens: Optional[int] = None, aqua_rule: str = DEFAULT_AQUA_RULE, unparsed: str = "wrong",
                   progress: bool = False, generations_dir: Union[str, os.PathLike, None] = None
                   ) -> Dict[str, Dict[str, Any]]:
     """Generate and score every set; returns ``{set name: metrics}``.

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional, Sequence
 
 from ..data.tasks import glue_task
-from .answers import AQUA_RULES, extract_answer, math_accuracy, parse_glue_label
+from .answers import AQUA_RULES, DEFAULT_AQUA_RULE, extract_answer, math_accuracy, parse_glue_label
 from .metrics import glue_metrics, main_score
 
 __all__ = ["UNPARSED_POLICIES", "evaluate_glue_generation", "evaluate_math_generation"]
@@ -64,7 +64,7 @@ def evaluate_glue_generation(task: str, generations: Sequence[str], golds: Seque
 
 
 def evaluate_math_generation(dataset: str, generations: Sequence[str], golds: Sequence[Any], *,
-                             aqua_rule: str = "first") -> Dict[str, Any]:
+                             aqua_rule: str = DEFAULT_AQUA_RULE) -> Dict[str, Any]:
     """LLM-Adapters exact-answer accuracy: ``accuracy``/``score``, ``n``, ``correct``, ``unparsed`` (+ AQuA rule),
     and ``predictions`` (the answer read from each generation, None where none was found)."""
     if aqua_rule not in AQUA_RULES:
