@@ -30,7 +30,7 @@ import torch
 from prismdp.train.profile import PeakMemory, status_kb
 
 from .micro import HostSyncCounter, run_micro
-from .workloads import ABLATIONS, VARIANTS, WORKLOADS, build_variant
+from .workloads import ABLATIONS, VARIANTS, WORKLOADS, available_variants, build_variant
 
 RATIOS = [  # (name, numerator, denominator, target by workload)
     ("prism / dp-adamw", "prism", "dp-adamw", {"W1": 1.03, "W2": 1.03}),
@@ -200,7 +200,8 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", type=_csv, default=["W1", "W2"], help=f"of {', '.join(WORKLOADS)}")
     p.add_argument("--variants", type=_csv, default=list(VARIANTS),
-                   help=f"of {', '.join(VARIANTS)} (default: all), or the ablation {', '.join(ABLATIONS)}")
+                   help=f"of {', '.join(available_variants())} (default: {', '.join(VARIANTS)}; the ablation "
+                        f"{', '.join(ABLATIONS)} is opt-in)")
     p.add_argument("--steps", type=int, default=10, help="measured rounds (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up rounds (default 3)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
@@ -213,10 +214,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     unknown = [w for w in args.workloads if w not in WORKLOADS] + \
-        [v for v in args.variants if v not in VARIANTS + ABLATIONS]
+        [v for v in args.variants if v not in available_variants()]
     if unknown:
         p.error(f"unknown workload/variant {unknown}; workloads {list(WORKLOADS)}, "
-                f"variants {list(VARIANTS + ABLATIONS)}")
+                f"variants {list(available_variants())}")
     if args.memory_child:
         print(json.dumps(_memory_child(*args.memory_child, steps=max(1, min(args.steps, 2)))))
         return 0

@@ -1,8 +1,9 @@
-"""All six methods, one short private run each on SST-2 (packaged MiniLM, epsilon 3, same seed and steps).
+"""Every registered method (the six built in), one short private run each on SST-2 (packaged MiniLM, epsilon 3, same
+seed and steps).
 
 Writes bench/results/sst2_methods.json and .md: dev accuracy, epsilon and median step time per method.
 Run: ``python bench/sst2_methods.py [--data ../shared/data/glue] [--steps 100]``.  Every method runs at the
-learning rate of the built-in demo task (``DEFAULT_LR["demo"]``: sized for ~100 private steps; the paper's GLUE
+learning rate of the built-in demo task (its registered ``lr["demo"]``: sized for ~100 private steps; the paper's GLUE
 rates are for 500 steps of a 4B model) unless ``--lr METHOD=VALUE`` is given.
 """
 
@@ -15,11 +16,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from prismdp.engine import DEFAULT_LR
+from prismdp.engine import METHODS
 from prismdp.train.config import TrainConfig
 from prismdp.train.loop import train
-
-METHODS = ["prism", "dp-adamw", "ffa", "lora-plus", "lamb", "lora-rite"]
 
 
 def main(argv=None):
@@ -30,7 +29,7 @@ def main(argv=None):
     ap.add_argument("--train-examples", type=int, default=None, help="default: all 67,349")
     ap.add_argument("--epsilon", type=float, default=3.0)
     ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(METHODS), help="default: every registered method")
     ap.add_argument("--lr", action="append", default=[], help="METHOD=VALUE overrides")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
@@ -42,7 +41,7 @@ def main(argv=None):
                               batch_size=args.batch_size, micro_batch_size=16, rank=4, alpha=16,
                               target_modules=["query", "value"], max_length=64,
                               train_examples=args.train_examples, seed=args.seed, output=os.path.join(tmp, method),
-                              lr=float(lrs[method]) if method in lrs else DEFAULT_LR["demo"][method])
+                              lr=float(lrs[method]) if method in lrs else METHODS[method].lr["demo"])
             res = train(cfg, progress=False, log=lambda *a: None)
             times = [json.loads(x)["step_time_s"] for x in open(os.path.join(tmp, method, "metrics.jsonl"))]
             ev = res.summary["eval"]["validation"]

@@ -2,11 +2,11 @@
 them.  Every variant runs one *logical* step: ``batch`` examples as ``batch // micro`` micro-batches of ``micro``,
 fixed length ``seq_len`` (random token ids, full attention mask), then one optimizer update.
 
-Variants:
+Variants (:func:`available_variants`; the default run is :data:`VARIANTS`):
 
 * ``lora-adamw``      non-private LoRA: PEFT + ``torch.optim.AdamW``, mean loss, gradient accumulation.
-* ``dp-adamw``        prismdp's factor-space DP-AdamW (``make_private(method="dp-adamw")``).
-* ``prism``           prismdp's PRISM (``make_private(method="prism")``).
+* every method registered in :data:`prismdp.engine.METHODS` (``make_private(method=...)``), e.g. ``dp-adamw``
+                      (prismdp's factor-space DP-AdamW) and ``prism``.
 * ``prism-no-dropout-comp`` (opt-in ablation, not in the default run) PRISM without the hooks that keep LoRA
                       dropout off the rank-r start (``prismdp.lora.StartDropoutCompensation``): their cost.
 * ``prism-secure``, ``dp-adamw-secure`` (opt-in) the same with ``secure_noise=True``: noise and Poisson
@@ -30,8 +30,17 @@ from typing import Callable, Dict, List
 import torch
 from torch import nn
 
-VARIANTS = ("lora-adamw", "dp-adamw", "prism", "opacus-dp-adamw")
-ABLATIONS = ("prism-no-dropout-comp", "prism-secure", "dp-adamw-secure")  # selectable with --variants, not by default
+REFERENCES = ("lora-adamw", "opacus-dp-adamw")  # not prismdp methods: the non-private and Opacus baselines
+VARIANTS = ("lora-adamw", "dp-adamw", "prism", "opacus-dp-adamw")  # the default run
+# selectable with --variants, not run by default: a registered method with one thing changed
+ABLATIONS = {"prism-no-dropout-comp": "prism", "prism-secure": "prism", "dp-adamw-secure": "dp-adamw"}
+
+
+def available_variants() -> tuple[str, ...]:
+    """Every variant ``build_variant`` knows: the references, every registered method, the ablations."""
+    from prismdp.engine import METHODS
+
+    return (*REFERENCES, *METHODS, *ABLATIONS)
 
 
 @dataclass
@@ -177,8 +186,8 @@ def _per_example_losses(w: Workload, model, ids, mask, labels):
 
 def build_variant(name: str, w: Workload, base: nn.Module) -> Variant:
     """A fresh PEFT copy of ``base`` set up for variant ``name``, with its step function."""
-    if name not in VARIANTS + ABLATIONS:
-        raise ValueError(f"unknown variant {name!r}; choose from {VARIANTS + ABLATIONS}")
+    if name not in available_variants():
+        raise ValueError(f"unknown variant {name!r}; choose from {available_variants()}")
     torch.manual_seed(0)
     model = _peft(base, w)
     vocab = model.get_input_embeddings().num_embeddings
@@ -195,10 +204,10 @@ def build_variant(name: str, w: Workload, base: nn.Module) -> Variant:
 
         return Variant(name, step)
 
-    if name in ("dp-adamw", "prism", "prism-no-dropout-comp", "prism-secure", "dp-adamw-secure"):
+    if name not in REFERENCES:  # a registered method, or an ablation of one
         from prismdp.engine import make_private
 
-        method = "prism" if name.startswith("prism") else "dp-adamw"
+        method = ABLATIONS.get(name, name)
         secure = name.endswith("-secure")
         private = make_private(model, method=method, lr=1e-4, dataset_size=10 * w.batch, batch_size=w.batch,
                                steps=10 ** 6, noise_multiplier=1.0, max_grad_norm=1.0, seed=None if secure else 0,

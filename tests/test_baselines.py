@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import gauge_transform, mechanism, net_batch, per_example, tiny_net
-from prismdp.engine import DEFAULT_LR, METHODS, make_private
+from prismdp.engine import METHODS, make_private
 from prismdp.grad_sample import GradSampler
 from prismdp.lora import LoraSetupError, find_lora_pairs, move_to_rank_r_start
 from prismdp.losses import classification_losses
@@ -144,13 +144,22 @@ def test_epsilon_is_identical_across_all_methods():
         assert rep == first, method
 
 
-def test_default_learning_rates_cover_every_method():
-    for family, lrs in DEFAULT_LR.items():
-        assert set(lrs) == set(METHODS), family
-        assert lrs["lamb"] == 5e-3
+def test_every_built_in_method_has_its_label_and_default_rates():
+    from prismdp.data.tasks import FAMILIES
+
+    builtin = ("prism", "dp-adamw", "ffa", "lora-plus", "lamb", "lora-rite")
+    for method in builtin:
+        assert set(METHODS[method].lr) == set(FAMILIES), method
+    assert all(METHODS["lamb"].lr[f] == 5e-3 for f in FAMILIES)
     for family, rate in (("glue", 2e-4), ("math", 3e-4)):  # the paper's Appendix B
-        assert all(lr == rate for m, lr in DEFAULT_LR[family].items() if m != "lamb"), family
-    assert DEFAULT_LR["glue"]["lora-rite"] == 2e-4 and DEFAULT_LR["math"]["prism"] == 3e-4
+        assert all(METHODS[m].lr[family] == rate for m in builtin if m != "lamb"), family
+    assert METHODS["prism"].lr["demo"] == 1e-2 and METHODS["dp-adamw"].lr["demo"] == 2e-3
+    # the paper's Table 2 spelling
+    assert [METHODS[m].label for m in builtin] == ["PRISM", "AdamW", "FFA", "LoRA+", "LAMB", "RITE"]
+    with pytest.raises(ValueError, match="already registered"):
+        from prismdp.engine import register_method
+
+        register_method("prism", METHODS["prism"].build)
 
 
 # ------------------------------------------------------------------------------------------ FFA-LoRA

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from prismdp.cli import main
-from prismdp.engine import DEFAULT_LR, METHODS
+from prismdp.engine import METHODS
 from prismdp.experiment import load_experiment, run_experiment, write_results
 from prismdp.experiment.grid import Setting
 from prismdp.train.config import ConfigError
@@ -175,7 +175,7 @@ def test_paper_config_round_trips_into_each_cells_train_config():
         if cfg.dp:
             assert cfg.epsilon == c.setting.epsilon
         family = {"glue8": "glue", "math10k": "math"}[c.task_id]
-        assert cfg.lr == DEFAULT_LR[family][c.method]  # the paper's Appendix B rates
+        assert cfg.lr == METHODS[c.method].lr[family]  # the paper's Appendix B rates
         assert cfg.method_kwargs == ({"loraplus_ratio": 6.0} if c.method == "lora-plus" else {})
         if c.task_id == "glue8":
             assert (cfg.task, cfg.steps, cfg.max_length, cfg.train_on_inputs, cfg.glue8_per_task) == \

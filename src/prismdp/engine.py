@@ -29,38 +29,43 @@ from .privacy.clipping import DPConfig
 from .privacy.mechanism import GaussianMechanism
 from .privacy.secure import SecureRandom
 
-__all__ = ["make_private", "PrivateLoRA", "METHODS", "register_method", "DEFAULT_LR", "set_dense_lr"]
-
-# The paper's learning rates per task family (Appendix B, "Method-specific hyperparameters"), and for the built-in
-# demo task (100 steps at epsilon 3). prism's rate comes from two hand-run trials (1e-2 with the demo defaults
-# reached 0.70 test accuracy; 5e-3 with batch 64, rank 8 and 2,000 examples stayed at chance); the other methods'
-# demo rates are untuned typical Adam/LAMB rates.
-DEFAULT_LR: dict[str, dict[str, float]] = {
-    "demo": {"prism": 1e-2, "dp-adamw": 2e-3, "ffa": 2e-3, "lora-plus": 2e-3, "lora-rite": 2e-3, "lamb": 5e-3},
-    "glue": {"prism": 2e-4, "dp-adamw": 2e-4, "ffa": 2e-4, "lora-plus": 2e-4, "lora-rite": 2e-4, "lamb": 5e-3},
-    "math": {"prism": 3e-4, "dp-adamw": 3e-4, "ffa": 3e-4, "lora-plus": 3e-4, "lora-rite": 3e-4, "lamb": 5e-3},
-}
-
+__all__ = ["make_private", "PrivateLoRA", "METHODS", "MethodSpec", "register_method", "set_dense_lr"]
 
 @dataclass
 class MethodSpec:
-    """How to build one training method: its optimizer, whether it starts on the rank-r manifold, how it prepares
-    the model before the LoRA pairs are discovered (``prepare(model, adapter)``, e.g. freezing ``lora_A``) and
-    which factors it trains (``find_lora_pairs(..., trainable=...)``)."""
+    """Everything prismdp knows about one training method, registered once (:func:`register_method`).
+
+    How to build it: its optimizer (``build``), whether it starts on the rank-r manifold, how it prepares the model
+    before the LoRA pairs are discovered (``prepare(model, adapter)``, e.g. freezing ``lora_A``) and which factors it
+    trains (``find_lora_pairs(..., trainable=...)``).  How to show and run it: its display ``label`` (the tables and
+    figures) and its default learning rate per task family (``lr``: ``{"glue": ..., "math": ..., "demo": ...}``, the
+    families of :data:`prismdp.data.tasks.TASKS`; a family without one needs an explicit rate).
+    """
 
     build: Callable[..., object]
     rank_r_start: bool
     prepare: Callable[[nn.Module, str], None] | None = None
     trainable: str = "both"
+    label: str = ""
+    lr: dict[str, float] = field(default_factory=dict)
 
 
 METHODS: dict[str, MethodSpec] = {}
 
 
 def register_method(name: str, build: Callable[..., object], rank_r_start: bool = False, *,
-                    prepare: Callable[[nn.Module, str], None] | None = None, trainable: str = "both") -> None:
-    """``build(pairs, dense_params, lr=..., mechanism=..., **kwargs)`` -> optimizer (``mechanism=None``: non-private)."""
-    METHODS[name] = MethodSpec(build, rank_r_start, prepare, trainable)
+                    prepare: Callable[[nn.Module, str], None] | None = None, trainable: str = "both",
+                    label: str | None = None, lr: dict[str, float] | None = None) -> MethodSpec:
+    """Make ``name`` a method of ``make_private``, ``prismdp train``, ``prismdp experiment``, the Trainer and the
+    benchmarks: ``build(pairs, dense_params, lr=..., mechanism=..., **kwargs)`` -> optimizer (``mechanism=None``:
+    non-private); ``label`` (default ``name``) and ``lr`` (default learning rate per task family) as in
+    :class:`MethodSpec`."""
+    if name in METHODS:
+        raise ValueError(f"method {name!r} is already registered")
+    if any(not v > 0 for v in (lr or {}).values()):
+        raise ValueError(f"default learning rates must be positive, got {lr}")
+    METHODS[name] = spec = MethodSpec(build, rank_r_start, prepare, trainable, label or name, dict(lr or {}))
+    return spec
 
 
 def _build_prism(pairs, dense_params, *, lr, mechanism, **kw):
@@ -71,12 +76,17 @@ def _build_dp_adamw(pairs, dense_params, *, lr, mechanism, **kw):
     return dp_adamw(pairs, dense_params, lr=lr, mechanism=mechanism, **kw)
 
 
-register_method("prism", _build_prism, rank_r_start=True)
-register_method("dp-adamw", _build_dp_adamw)
-register_method("ffa", dp_ffa, prepare=freeze_lora_A, trainable="B")
-register_method("lora-plus", dp_lora_plus)
-register_method("lamb", dp_lamb)
-register_method("lora-rite", dp_lora_rite)
+# Labels: the paper's Table 2 spelling.  Learning rates: the paper's per task family (Appendix B, "Method-specific
+# hyperparameters"), and for the built-in demo task (100 steps at epsilon 3) PRISM's from two hand-run trials (1e-2
+# with the demo defaults reached 0.70 test accuracy; 5e-3 with batch 64, rank 8 and 2,000 examples stayed at chance);
+# the other methods' demo rates are untuned typical Adam/LAMB rates.
+_ADAM_LIKE = {"glue": 2e-4, "math": 3e-4, "demo": 2e-3}
+register_method("prism", _build_prism, rank_r_start=True, label="PRISM", lr={**_ADAM_LIKE, "demo": 1e-2})
+register_method("dp-adamw", _build_dp_adamw, label="AdamW", lr=_ADAM_LIKE)
+register_method("ffa", dp_ffa, prepare=freeze_lora_A, trainable="B", label="FFA", lr=_ADAM_LIKE)
+register_method("lora-plus", dp_lora_plus, label="LoRA+", lr=_ADAM_LIKE)
+register_method("lamb", dp_lamb, label="LAMB", lr={"glue": 5e-3, "math": 5e-3, "demo": 5e-3})
+register_method("lora-rite", dp_lora_rite, label="RITE", lr=_ADAM_LIKE)
 
 
 def set_dense_lr(optimizer, dense_params: list[nn.Parameter], lr: float) -> None:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .runs import COMPARED, METHOD_LABELS
+from ..engine import METHODS
+from .runs import COMPARED
 
 __all__ = ["save_figure"]
 
@@ -68,7 +69,7 @@ def _gauge_training(res, path):
             ax.fill_between(t, b.min, b.max, color=col, alpha=0.13, lw=0, label="min-max over c")
             ax.fill_between(t, b.q25, b.q75, color=col, alpha=0.35, lw=0, label="inter-quartile range over c")
             ax.plot(t, b.mean, color=col, lw=1.8, label="mean over c")
-            ax.set_title(f"{METHOD_LABELS[method]}: {name}", fontsize=11)
+            ax.set_title(f"{METHODS[method].label}: {name}", fontsize=11)
             ax.set_xlabel("optimizer step")
             ax.set_ylabel(ylabel)
             if key != "dz_norm":
@@ -85,7 +86,7 @@ def _gauge_training(res, path):
         for method in COMPARED:
             v = np.asarray(p["rho"][method][key], dtype=float)
             ax.plot(t, np.maximum(v, floor), color=COLORS[method], lw=1.8, marker="o" if method == "prism" else "s",
-                    ms=4, ls="-" if method == "prism" else "--", label=METHOD_LABELS[method])
+                    ms=4, ls="-" if method == "prism" else "--", label=METHODS[method].label)
         ax.set_yscale("log")
         ax.set_ylim(bottom=floor / 10)
         ax.set_title(name, fontsize=11)
@@ -203,7 +204,7 @@ def _amplification(res, path):
     for ax, vals, title, ylabel in panels:
         for m in COMPARED:
             ax.plot(t, _positive(np.asarray(vals[m]).mean(0), 0.0), color=COLORS[m], lw=1.8, marker="o", ms=2.5,
-                    label=METHOD_LABELS[m])
+                    label=METHODS[m].label)
         ax.set_yscale("log")
         ax.set_title(title, fontsize=11)
         ax.set_xlabel("optimizer step")
@@ -227,7 +228,7 @@ def _sigma_sweep(res, path):
             d = p[m]
             order = np.argsort(d["sigma"])
             ax.errorbar(d["sigma"][order], d[f"{key}_mean"][order], yerr=d[f"{key}_std"][order], color=COLORS[m],
-                        marker="o", capsize=3, lw=1.8, label=f"{METHOD_LABELS[m]}: mean +- sd over steps")
+                        marker="o", capsize=3, lw=1.8, label=f"{METHODS[m].label}: mean +- sd over steps")
             if key == "raw_noise":
                 ax.plot(d["sigma"][order], d["raw_noise_theory"][order], color="k", ls="--", lw=1.1, zorder=5,
                         label="theory: PRISM tau sqrt(sum r(m+n-r)), DP-AdamW tau sqrt(mean S_t)"

@@ -15,21 +15,20 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..engine import DEFAULT_LR, make_private
+from ..engine import make_private
 from ..lora import find_lora_pairs, get_factors, move_to_rank_r_start, set_factors
 from ..models import load_model
 from ..privacy import calibrate_sigma
-from ..train.build import build_lora_model
+from ..train.build import build_lora_model, default_lr
 from ..train.step import backward_batch
 from ..train.tasks import build_task_data, default_targets, task_head
 from . import measures
 from .probe import StepMeasure, make_probe
 from .settings import Settings
 
-__all__ = ["Settings", "Session", "Run", "COMPARED", "METHOD_LABELS"]
+__all__ = ["Settings", "Session", "Run", "COMPARED"]
 
 COMPARED = ("dp-adamw", "prism")  # the factor-space baseline and PRISM
-METHOD_LABELS = {"dp-adamw": "DP-AdamW (factor space)", "prism": "PRISM"}
 
 
 class Session:
@@ -71,7 +70,7 @@ class Session:
     def lr_for(self, method: str) -> float:
         """The run's learning rate (both methods), else the method's default for the task family."""
         cfg = self.settings.run
-        return cfg.lr if cfg.lr is not None else DEFAULT_LR[cfg.task_family][method]
+        return cfg.lr if cfg.lr is not None else default_lr(cfg, method)
 
     def peft_model(self, seed: int):
         """A fresh LoRA model (PEFT's init, seeded) on a copy of the loaded base model."""

@@ -8,13 +8,12 @@ Shipped grids: ``configs/paper-gemma3-4b.yaml`` (the paper's Appendix B setting)
 ``configs/cpu-minilm-glue.yaml`` and ``configs/cpu-smollm2-math.yaml``.
 """
 
-from .grid import DEFAULT_LABELS, Cell, Experiment, Setting, load_experiment, parse_set_overrides, parse_setting
+from .grid import Cell, Experiment, Setting, load_experiment, parse_set_overrides, parse_setting
 from .runner import ExperimentRun, config_mismatch, run_experiment
 from .tables import build_table, read_cell, render_latex, render_markdown, write_results
 
 __all__ = [
     "Cell",
-    "DEFAULT_LABELS",
     "Experiment",
     "ExperimentRun",
     "Setting",

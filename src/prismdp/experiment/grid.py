@@ -14,7 +14,7 @@ A grid is methods x privacy settings x tasks x seeds.  The file (keys with dashe
     methods: [ffa, lora-rite, dp-adamw, lora-plus, lamb, prism]    # or {method: TrainConfig overrides}
     privacy: [non-dp, 6, 3]          # target epsilons; non-dp (or null) = the same run without clipping/noise
     seeds: [42]
-    labels: {lora-rite: RITE}        # optional display names of methods in the tables
+    labels: {lora-rite: RITE}        # optional display names of methods (default: each method's registered label)
     columns: [cola, sst2, ...]       # optional column order of the tables
     exclude: ["*__ffa__nondp__*"]    # optional: cell-id patterns (fnmatch) left out of the grid
     lrs: [3.0e-4, 1.0e-3, 3.0e-3]    # optional learning-rate axis (cell ids gain __lr<value>); a methods entry may
@@ -45,12 +45,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..train.config import ConfigError, TrainConfig
 
-__all__ = ["Setting", "Cell", "Experiment", "load_experiment", "parse_setting", "parse_set_overrides",
-           "DEFAULT_LABELS"]
-
-#: Display names of the methods (the paper's Table 2 spelling).
-DEFAULT_LABELS = {"ffa": "FFA", "lora-rite": "RITE", "dp-adamw": "AdamW", "lora-plus": "LoRA+", "lamb": "LAMB",
-                  "prism": "PRISM"}
+__all__ = ["Setting", "Cell", "Experiment", "load_experiment", "parse_setting", "parse_set_overrides"]
 _TOP_KEYS = {"name", "output", "base", "tasks", "methods", "privacy", "seeds", "labels", "columns", "exclude", "lrs",
              "tune", "compare"}
 _PATH_KEYS = ("data", "eval_data")
@@ -144,7 +139,10 @@ class Experiment:
         return any(fnmatch.fnmatchcase(cell_id, pat) for pat in self.exclude)
 
     def label(self, method: str) -> str:
-        return self.labels.get(method, DEFAULT_LABELS.get(method, method))
+        """The file's ``labels``, else a registered method's own label (a variant's id names it)."""
+        from ..engine import METHODS
+
+        return self.labels.get(method, METHODS[method].label if method in METHODS else method)
 
     def cells(self, output: Optional[str] = None, *, tasks: Optional[Sequence[str]] = None,
               methods: Optional[Sequence[str]] = None, settings: Optional[Sequence[Setting]] = None,

@@ -63,7 +63,8 @@ _MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids"
 class PrivacyArguments:
     """Differential privacy of a :class:`PrivateTrainer` run (``HfArgumentParser`` reads it from the command line)."""
 
-    method: str = field(default="prism", metadata={"help": "prism, dp-adamw, ffa, lora-plus, lamb or lora-rite"})
+    method: str = field(default="prism", metadata={"help": "a method registered in prismdp.engine.METHODS: prism, "
+                                                           "dp-adamw, ffa, lora-plus, lamb, lora-rite, ..."})
     target_epsilon: float | None = field(default=None, metadata={"help": "epsilon to reach (sigma is calibrated)"})
     noise_multiplier: float | None = field(default=None, metadata={"help": "or a fixed noise multiplier sigma"})
     target_delta: float = field(default=1e-5, metadata={"help": "delta (at most 1 / dataset size)"})

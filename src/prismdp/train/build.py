@@ -11,7 +11,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from ..distributed import World
-from ..engine import DEFAULT_LR, PrivateLoRA, make_private
+from ..engine import METHODS, PrivateLoRA, make_private
 from ..models import enable_gradient_checkpointing, load_model
 from .config import ConfigError, TrainConfig
 from .tasks import TaskData, build_task_data, default_targets, lora_exclude_modules, task_head
@@ -34,11 +34,16 @@ class Run:
     world: World | None = None
 
 
-def default_lr(cfg: TrainConfig) -> float:
-    table = DEFAULT_LR[cfg.task_family]
-    if cfg.method not in table:
-        raise ConfigError(f"lr: no default learning rate for method {cfg.method!r}; pass --lr")
-    return table[cfg.method]
+def default_lr(cfg: TrainConfig, method: str | None = None) -> float:
+    """The default learning rate of ``method`` (default ``cfg.method``) for the task family of ``cfg``
+    (:attr:`prismdp.engine.MethodSpec.lr`)."""
+    method = method or cfg.method
+    if method not in METHODS:
+        raise ConfigError(f"method: unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    rates = METHODS[method].lr
+    if cfg.task_family not in rates:
+        raise ConfigError(f"lr: no default learning rate for method {method!r} on {cfg.task_family} tasks; pass --lr")
+    return rates[cfg.task_family]
 
 
 def build_lora_model(cfg: TrainConfig, model: nn.Module, task_type: str | None = None

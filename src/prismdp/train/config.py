@@ -33,7 +33,8 @@ class TrainConfig:
     model: str | None = _opt(None, "local folder, hub id or .gguf file (default: packaged MiniLM / SmolLM2)")
     task: str = _opt("synthetic", "synthetic (built-in, default), instruct, glue8, or a GLUE task (sst2, cola, ...)")
     data: str | None = _opt(None, "GLUE folder or LLM-Adapters JSON file (default: built-in task / Hub)")
-    method: str = _opt("prism", "prism (default), dp-adamw, ffa, lora-plus, lamb, lora-rite")
+    method: str = _opt("prism", "a method registered in prismdp.engine.METHODS: prism (default), dp-adamw, ffa, "
+                                "lora-plus, lamb, lora-rite, ...")
     method_kwargs: dict[str, Any] = _opt(None, "the method's own options as a YAML mapping, e.g. '{preset: "
                                          "reference}', '{floor_mode: geometry, debias: false}' (PRISM) or "
                                          "'{loraplus_ratio: 6}' (LoRA+)", factory=dict)
