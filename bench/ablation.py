@@ -1,11 +1,11 @@
 """Which optimisation moved which number: PRISM's mechanism time per step with each optimisation switched off.
 
 The mechanism alone (``accumulate`` per micro-batch + ``step``), on the LoRA layout of W2 (SmolLM2-135M shapes:
-30 layers x q/k/v/up/down, r 16, 150 modules in 4 shape groups; random-init weights, no model load) with
+30 layers x q/k/v/up/down, r 16, 150 modules in 4 shape stacks; random-init weights, no model load) with
 synthetic per-example gradients, batch 8 as 2 micro-batches of 4.  Variants, interleaved, medians:
 
 * ``current``        what ships.
-* ``per-module``     no batching by shape (every module its own group: the pre-optimisation loop).
+* ``per-module``     no batching by shape (every module its own stack: the pre-optimisation loop).
 * ``qr-norms``       per-example norms by triangular solves (:func:`prismdp.geometry.projected_grad_norm_sq`)
                      instead of the Gram form (:func:`~prismdp.geometry.projected_grad_norm_sq_balanced`).
 * ``always-mask``    the non-finite masking pass over every per-example gradient even when all are finite.
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     med = {v: statistics.median(ts) for v, ts in times.items()}
     report = {"threads": args.threads, "steps": args.steps, "median_s": med, "times_s": times,
               "relative_to_current": {v: med[v] / med["current"] for v in VARIANTS}}
-    lines = ["# PRISM mechanism ablation (W2 layout: 150 LoRA modules, 4 shape groups, batch 8 as 2 x 4)", "",
+    lines = ["# PRISM mechanism ablation (W2 layout: 150 LoRA modules, 4 shape stacks, batch 8 as 2 x 4)", "",
              f"{args.threads} thread(s), {args.warmup} warm-up + {args.steps} measured rounds, interleaved.", "",
              "| variant | mechanism per step (ms) | / current |", "|---|---:|---:|"]
     lines += [f"| {v} | {1e3 * med[v]:.1f} | {med[v] / med['current']:.2f} |" for v in VARIANTS]

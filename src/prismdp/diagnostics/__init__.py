@@ -12,8 +12,10 @@
 * ``sigma-sweep`` (Issue III): raw / preconditioned noise and amplification against the realised ``sigma``.
 
 Layout: :mod:`.measures` (pure functions on factors and noise), :mod:`.probe` (one instrumented optimizer step),
-:mod:`.runs` (short training runs built like ``prismdp train``), :mod:`.experiments` (the five diagnostics as
-tables), :mod:`.plots` (figures), :mod:`.table` (CSV), :mod:`.cli` (the ``diagnose`` subcommand's arguments).
+:mod:`.settings` (what a diagnostic depends on: a TrainConfig and the diagnostics' own knobs), :mod:`.runs` (short
+training runs built like ``prismdp train``), :mod:`.studies` (the five diagnostics as tables; not to be confused with
+:mod:`prismdp.experiment`, the paper's training grids), :mod:`.plots` (figures), :mod:`.table` (CSV), :mod:`.cli`
+(the ``diagnose`` subcommand's arguments).
 """
 
 from .cli import NAMES, run_diagnostic

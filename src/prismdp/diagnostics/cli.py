@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_diagnostic(name: str, settings, log=print):
     """Run one diagnostic; write ``<output>/<name>.png`` and ``.csv``; return ``(result, png, csv)``."""
-    from .experiments import DIAGNOSTICS
+    from .studies import DIAGNOSTICS
     from .plots import save_figure
     from .runs import Session
     from .table import write_csv

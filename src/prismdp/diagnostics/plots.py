@@ -1,4 +1,4 @@
-"""Figures of the diagnostics (matplotlib, Agg backend): one PNG per :class:`~.experiments.Result`."""
+"""Figures of the diagnostics (matplotlib, Agg backend): one PNG per :class:`~.studies.Result`."""
 
 from __future__ import annotations
 
@@ -254,7 +254,7 @@ _FIGURES = {
 
 
 def save_figure(res, path: str | Path) -> Path:
-    """Draw ``res`` (an :class:`~.experiments.Result`) to ``path`` (PNG)."""
+    """Draw ``res`` (an :class:`~.studies.Result`) to ``path`` (PNG)."""
     path = Path(path)
     _FIGURES[res.name](res, path)
     return path
