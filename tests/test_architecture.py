@@ -35,3 +35,44 @@ def test_lower_layers_do_not_import_higher_ones(package, forbidden):
     bad = {f"{p.relative_to(SRC)} imports {m}" for p in (SRC / package).rglob("*.py")
            for m in _imported_modules(p) if m.startswith(forbidden)}
     assert not bad, sorted(bad)
+
+
+def _module_patches(source: str, where: str) -> list[str]:
+    """Assignments to (and setattr/delattr on) attributes of names bound by an import: another module's globals
+    (or an imported class or function) changed from outside."""
+    tree = ast.parse(source)
+    imported = {(a.asname or a.name).split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, (ast.Import, ast.ImportFrom)) for a in node.names}
+
+    def root(node):
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    out = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("setattr", "delattr") and node.args):
+            targets = [ast.Attribute(value=node.args[0], attr="?")]
+        for t in targets:
+            for leaf in ast.walk(t):
+                if isinstance(leaf, ast.Attribute) and root(leaf) in imported:
+                    out.append(f"{where}:{node.lineno}: {ast.unparse(leaf)}")
+    return out
+
+
+def test_no_tool_patches_another_modules_attributes():
+    """Outside tests nothing assigns to another module's attributes (no monkeypatching): observers use the
+    optimizers' step hooks, benchmarks and ablations use constructor options and composition."""
+    root = SRC.parents[1]
+    files = sorted(SRC.rglob("*.py")) + sorted((root / "bench").rglob("*.py"))
+    bad = [hit for p in files for hit in _module_patches(p.read_text(), str(p.relative_to(root)))]
+    assert not bad, bad
+    # the check catches the patches bench/ablation.py and diagnostics/probe.py made before they had seams
+    patches = ("from prismdp import geometry\nfrom prismdp.optim import prism as prism_module\n"
+               "prism_module.precondition = lambda *a: None\ngeometry.projected_grad_norm_sq_balanced = None\n"
+               "setattr(prism_module, 'contributing', None)\nx = prism_module.precondition\n")
+    assert len(_module_patches(patches, "old")) == 3
