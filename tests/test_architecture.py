@@ -34,7 +34,7 @@ LAYERS = [
     {"optim"},
     {"engine"},
     {"train"},
-    {"integrations", "experiment", "diagnostics"},  # front ends and tools on top of train / engine
+    {"integrations", "experiment", "diagnostics", "audit"},  # front ends and tools on top of train / engine
     {"cli"},
     {"__main__"},
 ]

@@ -30,6 +30,7 @@ def _add_train(sub) -> None:
 
 def _add_audit(sub) -> None:
     from .audit.run import CANARY_KINDS
+    from .flags import add_config_flags
     from .train.config import TrainConfig
 
     p = sub.add_parser("audit", help="one training run with canaries: an empirical lower bound on its epsilon",
