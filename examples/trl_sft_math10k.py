@@ -33,6 +33,15 @@ class ScriptArguments:
     rank: int = field(default=16, metadata={"help": "LoRA rank (the paper's 16)"})
 
 
+def split_at_token_boundary(prompt: str, output: str) -> dict:
+    """The LLM-Adapters prompt ends in "### Response:" plus a newline and indentation, which a BPE tokenizer merges
+    with the answer's first token; TRL would then drop that whitespace from the training context. End the prompt at
+    the colon (a token boundary) and let the completion carry the whitespace, so prompt + completion is exactly the
+    LLM-Adapters text."""
+    head = prompt.rstrip()
+    return {"prompt": head, "completion": prompt[len(head):] + output}
+
+
 def main(argv=None):
     script, sft, privacy = HfArgumentParser((ScriptArguments, SFTConfig, PrivacyArguments)) \
         .parse_args_into_dataclasses(argv)
@@ -42,7 +51,7 @@ def main(argv=None):
                       target_modules=["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"])
     model = get_peft_model(model, lora)
     records = seeded_subset(load_instruct_json(script.data), script.examples, sft.seed)
-    rows = [{"prompt": generate_prompt({**r, "output": ""}), "completion": r["output"]} for r in records]
+    rows = [split_at_token_boundary(generate_prompt({**r, "output": ""}), r["output"]) for r in records]
     trainer = PrivateSFTTrainer(model=model, args=sft, privacy_args=privacy, train_dataset=Dataset.from_list(rows),
                                 processing_class=tokenizer)
     trainer.train()

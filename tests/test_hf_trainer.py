@@ -366,3 +366,34 @@ def test_per_example_losses_under_a_stock_collator_with_padding_and_label_maskin
             alone = collate([dict(r)])
             loss = per_example_losses(model(input_ids=alone["input_ids"]).logits, alone["labels"])
             torch.testing.assert_close(together[i], loss[0], rtol=1e-5, atol=1e-6)
+
+
+def test_trl_example_splits_prompt_and_completion_at_a_token_boundary(tiny_llama_dir, shared_data):
+    """TRL needs tokenize(prompt) to be a prefix of tokenize(prompt + completion), else it drops the prompt's tail
+    from the training context. The LLM-Adapters prompt ends in indentation that merges with the answer's first
+    token; the example's split keeps the exact text and the prefix property (the naive split does not)."""
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from prismdp.data import generate_prompt, load_instruct_json
+
+    pytest.importorskip("trl")
+    path = Path(__file__).resolve().parents[1] / "examples" / "trl_sft_math10k.py"
+    spec = importlib.util.spec_from_file_location("trl_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+    def is_prefix(prompt, completion):
+        a, b = tok(prompt)["input_ids"], tok(prompt + completion)["input_ids"]
+        return b[:len(a)] == a
+
+    records = load_instruct_json(shared_data / "math" / "math_10k.json")[:20]
+    naive = [(generate_prompt({**r, "output": ""}), r["output"]) for r in records]
+    assert not all(is_prefix(p, c) for p, c in naive)
+    for (p, c), r in zip(naive, records):
+        row = example.split_at_token_boundary(p, c)
+        assert row["prompt"] + row["completion"] == generate_prompt(r)
+        assert is_prefix(row["prompt"], row["completion"])
