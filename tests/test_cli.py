@@ -36,6 +36,34 @@ def test_epsilon_command_matches_the_library(capsys):
     assert "above 100" in capsys.readouterr().err
 
 
+def test_epsilon_command_refuses_a_delta_that_makes_the_guarantee_vacuous(capsys):
+    """At delta 0.5 Opacus' PRV gives epsilon -0.68 for this run (and cannot compute one at all for others): an error
+    naming delta, exit 2, nothing on stdout.  With --dataset-size, a delta >= 1/N is refused as in training."""
+    common = ["epsilon", "--sigma", "1", "--sample-rate", "0.08", "--steps", "12"]
+    assert main([*common, "--delta", "0.5"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "delta=0.5 is too large" in err and "epsilon -0.682" in err
+    assert main([*common, "--delta", "0.01", "--dataset-size", "200"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "not below 1/N = 1/200" in err and "--allow-large-delta" in err
+    assert main([*common, "--delta", "0.01", "--dataset-size", "200", "--allow-large-delta"]) == 0
+    assert float(capsys.readouterr().out) == pytest.approx(epsilon(1.0, 0.08, 12, 0.01), rel=1e-5)
+
+
+def test_train_refuses_delta_at_or_above_one_over_n_before_writing_anything(tiny_bert_dir, tmp_path, capsys):
+    """96 training examples: delta 0.05 >= 1/96 is refused (no run folder) unless --allow-large-delta, which trains
+    and records that delta; delta 0.5 (allowed) is refused with the reason instead of an Opacus traceback."""
+    common = ["train", "--model", tiny_bert_dir, "--synthetic-train", "96", "--synthetic-test", "16", "--steps", "2",
+              "--batch-size", "16", "--rank", "2", "--max-length", "16", "--quiet"]
+    assert main([*common, "--delta", "0.05", "--output", str(tmp_path / "a")]) == 2
+    assert "not below 1/N = 1/96" in capsys.readouterr().err and not (tmp_path / "a").exists()
+    assert main([*common, "--delta", "0.5", "--allow-large-delta", "--output", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert "delta=0.5 is too large" in err and "Traceback" not in err and not (tmp_path / "b").exists()
+    assert main([*common, "--delta", "0.05", "--allow-large-delta", "--output", str(tmp_path / "c")]) == 0
+    assert json.loads((tmp_path / "c" / "privacy.json").read_text())["delta"] == 0.05
+
+
 @pytest.mark.parametrize("method, start", [("prism", "method"), ("dp-adamw", "method"), ("dp-adamw", "rank-r")])
 def test_train_writes_a_stock_peft_adapter_that_reproduces_the_model(tiny_bert_dir, tmp_path, method, start):
     """Also DP-AdamW from PRISM's rank-r start (--start rank-r): its export must subtract Z0 as PRISM's does."""

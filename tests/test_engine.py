@@ -53,6 +53,11 @@ def test_nonprivate_prism_learns():
         (dict(dataset_size=0), "dataset_size"),
         (dict(target_epsilon=3.0, noise_multiplier=1.0), "not both"),
         (dict(target_epsilon=1e-4), "unreachable"),
+        (dict(delta=1 / 64), r"not below 1/N = 1/64"),  # delta >= 1/N: refused unless allow_large_delta
+        (dict(delta=0.1, target_epsilon=None, noise_multiplier=1.0), r"allow-large-delta"),
+        (dict(delta=0.5, allow_large_delta=True), "too large for the 'prv' accountant"),  # Opacus' PRV fails
+        (dict(delta=0.9, allow_large_delta=True, target_epsilon=None, noise_multiplier=1.0, accountant="rdp"),
+         r"too large for the 'rdp' accountant \(epsilon -"),  # a negative epsilon is refused too
     ],
 )
 def test_bad_input_fails_before_anything_is_spent(kwargs, match):
@@ -64,6 +69,13 @@ def test_bad_input_fails_before_anything_is_spent(kwargs, match):
         make_private(model, **base)
     for n, p in model.named_parameters():  # nothing was modified (no rank-r start, no step)
         assert torch.equal(before[n], p)
+
+
+def test_a_large_delta_is_accepted_when_allowed_and_irrelevant_without_privacy():
+    kw = dict(method="prism", lr=1e-2, dataset_size=64, batch_size=8, steps=5)
+    private = make_private(tiny_net(), **kw, target_epsilon=3.0, delta=0.02, allow_large_delta=True)
+    assert private.privacy_report()["delta"] == 0.02
+    assert not make_private(tiny_net(), **kw, delta=0.5).private  # non-private: delta plays no part
 
 
 def test_per_example_losses_must_be_a_vector():

@@ -40,7 +40,9 @@ class TrainConfig:
                                          "'{loraplus_ratio: 6}' (LoRA+)", factory=dict)
     dp: bool = _opt(True, "non-private run with the same method", flag="--no-dp")
     epsilon: float = _opt(3.0, "target epsilon (default 3)")
-    delta: float = _opt(1e-5, "delta (default 1e-5)")
+    delta: float = _opt(1e-5, "delta (default 1e-5); must lie below 1/N (N = training examples, or users)")
+    allow_large_delta: bool = _opt(False, "accept a delta at or above 1/N (a weak guarantee: publishing one random "
+                                          "example in the clear is (0, 1/N)-DP)")
     accountant: str = _opt("prv", "privacy accountant: Opacus' prv (default) or rdp, or dp-accounting's pld",
                            choices=("prv", "rdp", "pld"))
     steps: int | None = _opt(None, "logical steps (default per task family: 500 GLUE, 300 Math, 100 demo)")
