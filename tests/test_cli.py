@@ -173,6 +173,15 @@ def test_glue_tsv_run_and_bad_files(tiny_bert_dir, tmp_path, shared_data):
                  "--output", str(tmp_path / "x"), "--quiet"]) == 2
 
 
+def test_config_file_errors_name_the_file(tmp_path, capsys):
+    (tmp_path / "run.yaml").mkdir()
+    assert main(["train", "--config", str(tmp_path / "run.yaml")]) == 2
+    assert "run.yaml is a folder" in capsys.readouterr().err
+    (tmp_path / "latin.yaml").write_bytes(b"steps: 3\n# r\xe9sum\xe9\n")
+    assert main(["train", "--config", str(tmp_path / "latin.yaml")]) == 2
+    assert "latin.yaml:2: byte 0xe9 at column 4 is not UTF-8" in capsys.readouterr().err
+
+
 def test_instruct_run_counts_truncation(tiny_llama_dir, tmp_path, shared_data):
     logs = []
     res = train(tiny_cfg(tiny_llama_dir, tmp_path / "i", task="instruct", data=str(shared_data / "math" / "math_10k.json"),

@@ -241,10 +241,12 @@ class TrainConfig:
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML or JSON mapping of TrainConfig keys (dashes or underscores)."""
+    from ..data.files import read_text
+
     p = Path(path)
-    if not p.exists() or p.is_dir():
+    if not p.exists():
         raise ConfigError(f"config file {str(p)!r} does not exist")
-    text = p.read_text()
+    text = read_text(p, "a config file", ConfigError)
     if p.suffix.lower() == ".json":
         data = json.loads(text)
     else:
