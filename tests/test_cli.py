@@ -173,6 +173,64 @@ def test_glue_tsv_run_and_bad_files(tiny_bert_dir, tmp_path, shared_data):
                  "--output", str(tmp_path / "x"), "--quiet"]) == 2
 
 
+def test_config_booleans_are_strict(tmp_path, capsys):
+    """dp: "no" (a quoted string) was accepted as truthy; YAML's unquoted no is a boolean and fine."""
+    with pytest.raises(ConfigError, match=r"dp: must be true or false .*got 'no'"):
+        TrainConfig.from_dict({"dp": "no"})
+    with pytest.raises(ConfigError, match="gradient_checkpointing: must be true or false"):
+        TrainConfig.from_dict({"gradient_checkpointing": 1})
+    (tmp_path / "c.yaml").write_text('dp: "no"\n')
+    assert main(["train", "--config", str(tmp_path / "c.yaml"), "--output", str(tmp_path / "r")]) == 2
+    assert "dp: must be true or false" in capsys.readouterr().err
+    (tmp_path / "c.yaml").write_text("dp: no\ntrain_on_inputs: yes\n")
+    from prismdp.train.config import load_config_file
+
+    cfg = TrainConfig.from_dict(load_config_file(tmp_path / "c.yaml"))
+    assert cfg.dp is False and cfg.train_on_inputs is True
+
+
+def _sst2(folder, sentences, labels=None):
+    d = folder / "SST-2"
+    d.mkdir(parents=True, exist_ok=True)
+    labels = labels or [i % 2 for i in range(len(sentences))]
+    (d / "train.tsv").write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in zip(sentences, labels)))
+    (d / "dev.tsv").write_text("sentence\tlabel\ngood\t1\nbad\t0\n")
+    return str(folder)
+
+
+def test_bad_settings_found_after_the_model_loads_leave_no_run_folder(tiny_bert_dir, tmp_path, capsys):
+    """An unknown method (was reported as a missing learning rate), a misspelled LoRA target next to a correct one
+    (was ignored: fewer layers trained), examples longer than the model's position embeddings (was a shape error in
+    the first forward, leaving config.json and an empty metrics.jsonl that blocked a rerun): clear errors, exit 2, no
+    run folder."""
+    data = _sst2(tmp_path / "glue", [f"sentence number {i}" for i in range(40)])
+    common = ["train", "--model", tiny_bert_dir, "--task", "sst2", "--data", data, "--steps", "2", "--batch-size", "8",
+              "--rank", "2", "--max-length", "32", "--quiet"]
+    cases = [(["--method", "adam"], "method: unknown method 'adam'; choose one of dp-adamw, ffa, lamb, lora-plus"),
+             (["--target-modules", "query,valeu"], r"target_modules: ['valeu'] name no module of this model; pass "
+                                                   "--target-modules with names of its linear layers: classifier, "
+                                                   "dense, key, query, value")]
+    for i, (extra, message) in enumerate(cases):
+        assert main([*common, *extra, "--output", str(tmp_path / f"r{i}")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "learning rate" not in err and not (tmp_path / f"r{i}").exists()
+    long = _sst2(tmp_path / "long", [" ".join(["word"] * 200)] * 20)
+    args = [a if a != data else long for a in common]
+    assert main([*args, "--max-length", "300", "--output", str(tmp_path / "long_run")]) == 2
+    assert "examples of 202 tokens, but this model has position embeddings for 128; pass --max-length 128" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "long_run").exists()
+
+
+def test_blank_sentences_are_counted_and_reported(tiny_bert_dir, tmp_path):
+    data = _sst2(tmp_path / "glue", [f"sentence {i}" for i in range(30)] + ["", "   "])
+    logs = []
+    train(tiny_cfg(tiny_bert_dir, tmp_path / "r", task="sst2", data=data, steps=1, batch_size=8), progress=False,
+          log=logs.append)
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["data_notes"]["blank"] == 2
+    assert any("blank: 2 example(s) with an empty sentence" in line for line in logs)
+
+
 def test_config_file_errors_name_the_file(tmp_path, capsys):
     (tmp_path / "run.yaml").mkdir()
     assert main(["train", "--config", str(tmp_path / "run.yaml")]) == 2

@@ -561,6 +561,14 @@ def test_encode_classification_pairs_and_truncation(bert_tokenizer):
     assert batch["attention_mask"][0].sum() == len(f[0]["input_ids"])
 
 
+def test_blank_sentences_are_kept_and_counted(bert_tokenizer):
+    exs = [Example("fine", None, 1), Example("", None, 0), Example(" \t ", None, 1), Example("ok", None, 0)]
+    enc = encode_classification(exs, bert_tokenizer, max_length=16, num_labels=2)
+    assert len(enc.features) == 4 and enc.n_blank == 2
+    pairs = [Example("a", "b", 1), Example("a", "  ", 0), Example("", "b", 0)]
+    assert encode_classification(pairs, bert_tokenizer, max_length=16, num_labels=2).n_blank == 2
+
+
 def test_encode_classification_regression_and_errors(bert_tokenizer):
     tok = bert_tokenizer
     enc = encode_classification([Example("a", "b", 3.8), Example("c", "d", 1)], tok, 32, num_labels=1)

@@ -110,6 +110,10 @@ class TrainConfig:
         def bad(key, msg):
             raise ConfigError(f"{key}: {msg}")
 
+        for f in dataclasses.fields(self):  # strict booleans: the string "no" (quoted in YAML) is not False
+            if str(f.type) == "bool" and not isinstance(getattr(self, f.name), bool):
+                bad(f.name, f"must be true or false (unquoted in YAML), got {getattr(self, f.name)!r}")
+
         from ..data.tasks import TASKS, expand_eval_tasks  # the task registry (imports torch: not at parse time)
         from ..eval.answers import AQUA_RULES
 

@@ -150,13 +150,14 @@ def build_task_data(cfg: TrainConfig, tokenizer) -> TaskData:
                 raise ConfigError(f"eval_splits: {unknown} are not {task.name} validation splits ({', '.join(splits)})")
             evals.update({s: load_glue(task.name, s, cfg.data) for s in cfg.eval_splits or splits})
     enc = encode_classification(train_ex, tokenizer, cfg.max_length, num_labels)
-    notes = {"train_examples": len(enc.features), "truncated": enc.n_truncated}
+    notes = {"train_examples": len(enc.features), "truncated": enc.n_truncated, "blank": enc.n_blank}
     eval_sets = {}
     for name, exs in evals.items():
         exs = exs[: cfg.eval_examples] if cfg.eval_examples else exs
         e = encode_classification(exs, tokenizer, cfg.max_length, num_labels)
         eval_sets[name] = e.features
         notes[f"{name}_examples"], notes[f"{name}_truncated"] = len(e.features), e.n_truncated
+        notes[f"{name}_blank"] = e.n_blank
     return TaskData("seq_cls", enc.features, classification_losses, eval_sets, task_name, notes)
 
 
