@@ -1,6 +1,14 @@
 """`prismdp train` / `prismdp epsilon` end to end on tiny models."""
 
 import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,6 +141,184 @@ def test_interrupted_then_resumed_equals_uninterrupted(tiny_bert_dir, tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
     lines = (part / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == list(range(1, 7))
+
+
+QUIET = dict(progress=False, log=lambda *a: None)
+
+
+def _files(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _adapter(folder):
+    from safetensors.torch import load_file
+
+    return load_file(folder / "adapter" / "adapter_model.safetensors")
+
+
+def _same_adapter(a, b):
+    a, b = _adapter(a), _adapter(b)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+
+
+def test_a_refused_resume_changes_no_file_and_the_data_must_be_the_runs(tiny_bert_dir, tmp_path):
+    """The training file grew (40 -> 50 rows: was refused only after config.json had been overwritten), or was swapped
+    for other rows of the same count (was resumed silently): refused, every file of the run unchanged.  --lr equal to
+    the run's default (was refused as 'checkpoint None vs now 0.0002') resumes; another rate is refused."""
+    rows = [f"sentence number {i}" for i in range(60)]
+    data = tmp_path / "glue"
+    out = tmp_path / "run"
+    cfg = dict(task="sst2", data=str(data), lr=None, steps=4, batch_size=8)
+    _sst2(data, rows[:40])
+    assert train(tiny_cfg(tiny_bert_dir, out, **cfg), stop_after=2, **QUIET).summary == {"interrupted_at": 2}
+    before = _files(out)
+    assert set(before) == {"config.json", "metrics.jsonl", "checkpoint.pt"}
+    fingerprint = json.loads(before["config.json"])["data_fingerprint"]
+    for changed, match in [(rows[:50], r"40 training examples then, 50 now"),
+                           (rows[20:60], r"as many examples \(40\) but different content")]:
+        _sst2(data, changed)
+        with pytest.raises(ConfigError, match=f"training data changed since the checkpoint \\({match}; SHA-256 of "
+                                              f"the tokenised data {fingerprint[:12]}"):
+            train(tiny_cfg(tiny_bert_dir, out, **cfg), resume=True, **QUIET)
+        assert _files(out) == before
+    _sst2(data, rows[:40])
+    with pytest.raises(ConfigError, match=r"lr: checkpoint 0.0002 vs now 0.0003"):
+        train(tiny_cfg(tiny_bert_dir, out, **{**cfg, "lr": 3e-4}), resume=True, **QUIET)
+    assert _files(out) == before
+    res = train(tiny_cfg(tiny_bert_dir, out, **{**cfg, "lr": 2e-4}), resume=True, **QUIET)  # the default, resolved
+    assert res.summary["steps"] == 4
+
+
+def test_a_run_stopped_before_its_first_checkpoint_restarts_with_resume(tiny_bert_dir, tmp_path):
+    """Killed before its first checkpoint, a run leaves config.json and metrics.jsonl: starting it again is refused
+    (pointing to --resume), and --resume (which pointed back to 'start without --resume') restarts it from step 0 and
+    ends where an uninterrupted run ends."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(tiny_cfg(tiny_bert_dir, full, steps=4, dropout=0.1), **QUIET)
+    train(tiny_cfg(tiny_bert_dir, part, steps=4, dropout=0.1), stop_after=2, **QUIET)
+    (part / "checkpoint.pt").unlink()  # the folder a kill before the first checkpoint leaves
+    with pytest.raises(RunExistsError, match=r"stopped before its first checkpoint \(2 step\(s\) logged, none saved\); "
+                                             r"pass --resume to restart it from step 0"):
+        train(tiny_cfg(tiny_bert_dir, part, steps=4, dropout=0.1), **QUIET)
+    logs = []
+    train(tiny_cfg(tiny_bert_dir, part, steps=4, dropout=0.1), resume=True, progress=False, log=logs.append)
+    assert any("no checkpoint" in line and "starting the run from step 0" in line for line in logs)
+    _same_adapter(full, part)
+    assert [json.loads(x)["step"] for x in (part / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    train(tiny_cfg(tiny_bert_dir, tmp_path / "new", steps=1), resume=True, **QUIET)  # --resume with no run: fresh
+
+
+def test_a_damaged_checkpoint_or_metrics_log_is_a_clear_error(tiny_bert_dir, tmp_path, capsys):
+    """A truncated checkpoint.pt (was a bare OSError traceback) and a bad line in metrics.jsonl (was a JSON parser error
+    naming no file): errors naming the file and the fix.  A half-written last line (a kill during its write) is
+    dropped and its step redone."""
+    out = tmp_path / "run"
+    args = ["train", "--model", tiny_bert_dir, "--synthetic-train", "64", "--synthetic-test", "16", "--steps", "4",
+            "--batch-size", "8", "--rank", "2", "--max-length", "16", "--quiet", "--output", str(out)]
+    assert main([*args, "--stop-after", "2"]) == 0
+    ckpt = (out / "checkpoint.pt").read_bytes()
+    (out / "checkpoint.pt").write_bytes(ckpt[:5000])
+    capsys.readouterr()
+    assert main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"{out / 'checkpoint.pt'} cannot be read" in err and "truncated or damaged" in err
+    assert "pass --resume to restart the run from step 0" in err and "Traceback" not in err
+    (out / "checkpoint.pt").write_bytes(ckpt)
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text(lines[0] + "\n" + lines[1][:20] + "\n")
+    assert main([*args, "--resume"]) == 2
+    assert f"{out / 'metrics.jsonl'}:2: not a metrics record" in capsys.readouterr().err
+    (out / "metrics.jsonl").write_text("\n".join(lines) + "\n" + '{"step": 3, "loss": 0.')  # cut short
+    assert main([*args, "--resume"]) == 0
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_a_failed_run_removes_what_it_created_and_nothing_else(tiny_bert_dir, tmp_path):
+    """A failure during training before the first checkpoint (here: a tokenizer whose ids exceed the model's
+    vocabulary) removes the run's config.json and metrics.jsonl, and the folder if the run created it; a file of the
+    user's in the folder stays.  A config.json prismdp did not write is never overwritten."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    small = tmp_path / "small_vocab"
+    BertForSequenceClassification(BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=32)).save_pretrained(small)
+    AutoTokenizer.from_pretrained(tiny_bert_dir).save_pretrained(small)
+    with pytest.raises(IndexError):
+        train(tiny_cfg(str(small), tmp_path / "new", steps=2, rank=2), **QUIET)
+    assert not (tmp_path / "new").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes")
+    with pytest.raises(IndexError):
+        train(tiny_cfg(str(small), mine, steps=2, rank=2), **QUIET)
+    assert _files(mine) == {"notes.txt": b"my notes"}
+    (mine / "config.json").write_text('{"architectures": ["BertModel"]}')
+    with pytest.raises(RunExistsError, match="config.json exists and was not written by prismdp train"):
+        train(tiny_cfg(tiny_bert_dir, mine, steps=1), **QUIET)
+    assert (mine / "config.json").read_text() == '{"architectures": ["BertModel"]}'
+
+
+def interrupt_when_logged(metrics: Path, steps: int, pid: int | None = None, sig=signal.SIGINT):
+    """A thread that sends ``sig`` to ``pid`` (this process by default) once ``metrics`` holds ``steps`` records:
+    Ctrl-C in the middle of a run."""
+    def watch():
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
+                os.kill(pid or os.getpid(), sig)
+                return
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_ctrl_c_finishes_the_step_saves_a_checkpoint_and_the_run_resumes_exactly(tiny_bert_dir, tmp_path):
+    """SIGINT in the middle of a run (was: a KeyboardInterrupt traceback, and the steps since the last checkpoint
+    lost): the step under way is finished, a checkpoint saved at it (checkpoint_every 100 never fires), and the resumed
+    run ends bitwise where an uninterrupted one ends."""
+    from prismdp.train.interrupt import TrainingInterrupted
+
+    kw = dict(steps=20, batch_size=8, synthetic_train=64, rank=2, dropout=0.1, checkpoint_every=100)
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(tiny_cfg(tiny_bert_dir, full, **kw), **QUIET)
+    previous = signal.signal(signal.SIGINT, lambda *a: None)  # a signal arriving after the run must not stop pytest
+    try:
+        watcher = interrupt_when_logged(part / "metrics.jsonl", 2)
+        with pytest.raises(TrainingInterrupted) as info:
+            train(tiny_cfg(tiny_bert_dir, part, **kw), **QUIET)
+        watcher.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    stopped = info.value.step
+    assert 2 <= stopped < 20 and info.value.signame == "SIGINT" and isinstance(info.value, KeyboardInterrupt)
+    assert torch.load(part / "checkpoint.pt", weights_only=False)["step"] == stopped
+    assert len((part / "metrics.jsonl").read_text().splitlines()) == stopped
+    assert signal.getsignal(signal.SIGINT) is previous  # the handler is restored
+    train(tiny_cfg(tiny_bert_dir, part, **kw), resume=True, **QUIET)
+    _same_adapter(full, part)
+    assert json.loads((part / "privacy.json").read_text()) == json.loads((full / "privacy.json").read_text())
+
+
+def test_ctrl_c_on_the_command_line_prints_the_resume_command_and_no_traceback(tiny_bert_dir, tmp_path):
+    out = tmp_path / "run"
+    args = ["train", "--model", tiny_bert_dir, "--synthetic-train", "64", "--synthetic-test", "16", "--steps", "20",
+            "--batch-size", "8", "--rank", "2", "--max-length", "16", "--quiet", "--output", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "prismdp", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    interrupt_when_logged(out / "metrics.jsonl", 2, pid=proc.pid)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "stopped after step" in err and "(SIGINT)" in err, err[-2000:]
+    again = shlex.split(err.strip().splitlines()[-1])
+    assert again[0] == "prismdp" and again[1:] == [*args, "--resume"]
+    steps = torch.load(out / "checkpoint.pt", weights_only=False)["step"]
+    assert f"stopped after step {steps} of 20 (SIGINT); checkpoint saved in {out}" in err
+    assert main(again[1:]) == 0  # the printed command continues the run
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == list(range(1, 21))
 
 
 def test_config_file_and_flag_precedence(tiny_bert_dir, tmp_path):

@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import sys
 
 __all__ = ["main", "build_parser"]
@@ -201,8 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     from .distributed import PeerLostError, ReplicaDivergenceError
     from .models import ModelLoadError
     from .privacy import BudgetExhaustedError
+    from .train.interrupt import TrainingInterrupted
     from .train.loop import RunExistsError
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
         return {"train": _cmd_train, "epsilon": _cmd_epsilon, "experiment": _cmd_experiment,
@@ -211,6 +215,16 @@ def main(argv: list[str] | None = None) -> int:
             PeerLostError, ReplicaDivergenceError) as e:  # no traceback
         print(f"prismdp {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except TrainingInterrupted as e:  # Ctrl-C / SIGTERM during training: a checkpoint was saved after the last step
+        if e.main:
+            again = shlex.join(["prismdp", *argv, *([] if "--resume" in argv else ["--resume"])])
+            where = " under torchrun with the same number of processes" if "WORLD_SIZE" in os.environ else ""
+            print(f"prismdp {args.command}: stopped after step {e.step} of {e.total} ({e.signame}); checkpoint saved "
+                  f"in {e.output}. Continue with{where}:\n  {again}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print(f"prismdp {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -76,6 +77,21 @@ class TaskData:
     def n_units(self) -> int:
         """What the privacy guarantee counts: users, or examples."""
         return len(self.units) if self.units is not None else len(self.train)
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the tokenised training set as the mechanism sees it (every example's token ids, token types and
+        labels, in order, and the privacy units): a resumed run refuses data that changed since its checkpoint."""
+        import numpy as np
+
+        h = hashlib.sha256()
+        for ex in self.train:
+            for key in ("input_ids", "token_type_ids", "labels"):
+                value = ex.get(key)
+                a = np.asarray(value.tolist() if isinstance(value, Tensor) else value if value is not None else [])
+                h.update(f"{key}:{a.dtype.kind}:{a.shape};".encode())
+                h.update(np.ascontiguousarray(a, dtype=np.float64 if a.dtype.kind == "f" else np.int64).tobytes())
+        h.update(repr(self.units).encode())
+        return h.hexdigest()
 
 
 def task_head(cfg: TrainConfig) -> tuple[str, int | None]:
