@@ -78,6 +78,42 @@ def test_a_large_delta_is_accepted_when_allowed_and_irrelevant_without_privacy()
     assert not make_private(tiny_net(), **kw, delta=0.5).private  # non-private: delta plays no part
 
 
+def test_unseeded_runs_draw_fresh_os_entropy_not_torchs_global_seed():
+    """seed=None: the noise, the Poisson batches and the start come from OS entropy, so two runs differ even when
+    torch's global generator was seeded identically before each (a seed an attacker may know, e.g. a script's
+    torch.manual_seed(0)); the same holds for a GaussianMechanism and a PoissonSampler built without a generator.
+    seed=3 twice gives the same run."""
+    from helpers import mechanism
+
+    from prismdp.privacy import PoissonSampler
+
+    X, Y = net_batch(64, seed=1)
+
+    def one_run(seed):
+        torch.manual_seed(0)
+        model = tiny_net(seed=0)
+        torch.manual_seed(0)
+        private = make_private(model, method="prism", lr=1e-2, dataset_size=64, batch_size=8, steps=2,
+                               noise_multiplier=1.0, seed=seed)
+        batches = [b.tolist() for b in private.batches()]
+        private.backward(classification_losses(model(X[:4]), Y[:4]))
+        private.step()
+        return batches, torch.cat([p.detach().flatten() for p in model.parameters() if p.requires_grad])
+
+    (b1, p1), (b2, p2) = one_run(None), one_run(None)
+    assert b1 != b2 and not torch.equal(p1, p2)
+    (b3, p3), (b4, p4) = one_run(3), one_run(3)
+    assert b3 == b4 and torch.equal(p3, p4)
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        m = mechanism(1.0, 1.0, 1.0)  # generator=None
+        draws.append(torch.randn(5, generator=m.generator))
+        torch.manual_seed(0)
+        draws.append(next(iter(PoissonSampler(1000, 0.5, 1))))
+    assert not torch.equal(draws[0], draws[2]) and not torch.equal(draws[1], draws[3])
+
+
 def test_per_example_losses_must_be_a_vector():
     model = tiny_net()
     private = make_private(model, lr=1e-2, dataset_size=64, batch_size=8, steps=2, target_epsilon=3.0)
