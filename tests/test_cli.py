@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from prismdp.cli import main
+from prismdp.engine import METHODS
 from prismdp.privacy import calibrate_sigma, epsilon
 from prismdp.train.config import ConfigError, TrainConfig
 from prismdp.train.loop import RunExistsError, train
@@ -102,6 +103,36 @@ def test_train_writes_a_stock_peft_adapter_that_reproduces_the_model(tiny_bert_d
     assert cfg["r"] == (8 if started else 4)  # a rank-r start exports Z - Z0 at rank 2r
 
 
+@pytest.mark.parametrize("method", ["prism", "dp-adamw"])
+def test_causal_lm_adapter_loads_with_stock_peft_and_reproduces_the_logits(tiny_llama_dir, tmp_path, method):
+    """A tiny Llama trained by prismdp train (instruction task, LoRA dropout 0.1, private): its exported adapter, loaded
+    with stock PEFT on the original base model, reproduces the trained model's logits (float32); PRISM exports its
+    update at rank 2r."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    records = [{"instruction": f"Add {i} and {i + 1}.", "input": "", "output": f"The answer is {2 * i + 1}."}
+               for i in range(32)]
+    (tmp_path / "data.json").write_text(json.dumps(records))
+    out = tmp_path / "run"
+    res = train(tiny_cfg(tiny_llama_dir, out, task="instruct", data=str(tmp_path / "data.json"), method=method,
+                         steps=3, batch_size=8, micro_batch_size=4, max_length=48, rank=4, alpha=8, lr=2e-2,
+                         dropout=0.1, epsilon=8.0), **QUIET)
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    loaded = PeftModel.from_pretrained(base, out / "adapter").eval()
+    res.model.eval()
+    ids = torch.randint(5, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = loaded(input_ids=ids).logits, res.model(input_ids=ids).logits
+        with loaded.disable_adapter():
+            plain = loaded(input_ids=ids).logits
+    assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
+    assert float((plain - want).abs().max()) > 1e-3  # the adapter carries a real update
+    cfg = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert cfg["r"] == (8 if method == "prism" else 4)
+    assert sorted(cfg["target_modules"]) == ["down_proj", "k_proj", "q_proj", "up_proj", "v_proj"]
+
+
 def test_privacy_report_agrees_with_epsilon_command(tiny_bert_dir, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "--model", tiny_bert_dir, "--steps", "3", "--batch-size", "16", "--micro-batch-size", "8",
@@ -118,21 +149,25 @@ def test_privacy_report_agrees_with_epsilon_command(tiny_bert_dir, tmp_path, cap
     assert float(capsys.readouterr().out) == pytest.approx(rep["epsilon"], rel=1e-5)
 
 
-def test_interrupted_then_resumed_equals_uninterrupted(tiny_bert_dir, tmp_path):
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_interrupted_then_resumed_equals_uninterrupted(tiny_bert_dir, tmp_path, method):
+    """Every method, through prismdp train's checkpoint file: stopped after 3 of 6 steps and resumed, the run ends
+    where the uninterrupted one ends, to 1e-6 (optimizer state, noise and sampling streams, dropout RNG restored)."""
     from safetensors.torch import load_file
 
     quiet = dict(progress=False, log=lambda *a: None)
+    kw = dict(steps=6, dropout=0.1, method=method, synthetic_train=64, batch_size=8, rank=2)
     full = tmp_path / "full"
-    train(tiny_cfg(tiny_bert_dir, full, steps=6, dropout=0.1), **quiet)
+    train(tiny_cfg(tiny_bert_dir, full, **kw), **quiet)
     part = tmp_path / "part"
-    res = train(tiny_cfg(tiny_bert_dir, part, steps=6, dropout=0.1), stop_after=3, **quiet)
+    res = train(tiny_cfg(tiny_bert_dir, part, **kw), stop_after=3, **quiet)
     assert res.summary == {"interrupted_at": 3}
     assert not (part / "privacy.json").exists()
     with pytest.raises(RunExistsError):
-        train(tiny_cfg(tiny_bert_dir, part, steps=6, dropout=0.1), **quiet)
+        train(tiny_cfg(tiny_bert_dir, part, **kw), **quiet)
     with pytest.raises(ConfigError, match="steps"):
-        train(tiny_cfg(tiny_bert_dir, part, steps=7, dropout=0.1), resume=True, **quiet)
-    train(tiny_cfg(tiny_bert_dir, part, steps=6, dropout=0.1), resume=True, **quiet)
+        train(tiny_cfg(tiny_bert_dir, part, **{**kw, "steps": 7}), resume=True, **quiet)
+    train(tiny_cfg(tiny_bert_dir, part, **kw), resume=True, **quiet)
     assert json.loads((part / "privacy.json").read_text()) == json.loads((full / "privacy.json").read_text())
     a = load_file(full / "adapter" / "adapter_model.safetensors")
     b = load_file(part / "adapter" / "adapter_model.safetensors")
