@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
@@ -131,3 +137,19 @@ def method_setup(method, sigma=0.0, b=4.0, clip=0.5, noise_seed=1, private=True,
     sampler = GradSampler(model, pairs)
     mech = mechanism(sigma, clip, b, noise_seed, budget=budget) if private else None
     return model, pairs, sampler, spec.build(pairs, sampler.dense_params, lr=lr, mechanism=mech)
+
+
+def interrupt_when_logged(metrics: Path, steps: int, pid: int | None = None, sig=signal.SIGINT):
+    """A thread that sends ``sig`` to ``pid`` (this process by default) once ``metrics`` holds ``steps`` records:
+    Ctrl-C in the middle of a run."""
+    def watch():
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
+                os.kill(pid or os.getpid(), sig)
+                return
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread

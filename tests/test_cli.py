@@ -6,13 +6,11 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import interrupt_when_logged
 from prismdp.cli import main
 from prismdp.engine import METHODS
 from prismdp.privacy import calibrate_sigma, epsilon
@@ -293,22 +291,6 @@ def test_a_failed_run_removes_what_it_created_and_nothing_else(tiny_bert_dir, tm
     with pytest.raises(RunExistsError, match="config.json exists and was not written by prismdp train"):
         train(tiny_cfg(tiny_bert_dir, mine, steps=1), **QUIET)
     assert (mine / "config.json").read_text() == '{"architectures": ["BertModel"]}'
-
-
-def interrupt_when_logged(metrics: Path, steps: int, pid: int | None = None, sig=signal.SIGINT):
-    """A thread that sends ``sig`` to ``pid`` (this process by default) once ``metrics`` holds ``steps`` records:
-    Ctrl-C in the middle of a run."""
-    def watch():
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
-                os.kill(pid or os.getpid(), sig)
-                return
-            time.sleep(0.005)
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
 
 
 def test_ctrl_c_finishes_the_step_saves_a_checkpoint_and_the_run_resumes_exactly(tiny_bert_dir, tmp_path):

@@ -106,7 +106,7 @@ def test_torchrun_run_reports_the_same_privacy_as_one_process_and_survives_empty
     torchrun forwards a Ctrl-C to every worker, a scheduler may signal any one) stops both ranks after the same step,
     with a checkpoint there (checkpoint_every 100 never fires), instead of a hang or a lost peer; a resume with the
     same world size continues, a different one is refused."""
-    from test_cli import interrupt_when_logged
+    from helpers import interrupt_when_logged
 
     from prismdp.cli import main
 

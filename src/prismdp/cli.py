@@ -217,13 +217,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except TrainingInterrupted as e:  # Ctrl-C / SIGTERM during training: a checkpoint was saved after the last step
         if e.main:
-            again = shlex.join(["prismdp", *argv, *([] if "--resume" in argv else ["--resume"])])
+            resume = [] if "--resume" in argv or args.command != "train" else ["--resume"]  # experiments resume
+            again = shlex.join(["prismdp", *argv, *resume])
             where = " under torchrun with the same number of processes" if "WORLD_SIZE" in os.environ else ""
             print(f"prismdp {args.command}: stopped after step {e.step} of {e.total} ({e.signame}); checkpoint saved "
                   f"in {e.output}. Continue with{where}:\n  {again}", file=sys.stderr)
         return 130
     except KeyboardInterrupt:
-        print(f"prismdp {args.command}: interrupted", file=sys.stderr)
+        hint = "; a run continues from its last checkpoint with --resume" if args.command == "train" else ""
+        print(f"prismdp {args.command}: interrupted{hint}", file=sys.stderr)
         return 130
 
 
