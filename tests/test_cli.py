@@ -409,7 +409,7 @@ def test_bad_settings_found_after_the_model_loads_leave_no_run_folder(tiny_bert_
     data = _sst2(tmp_path / "glue", [f"sentence number {i}" for i in range(40)])
     common = ["train", "--model", tiny_bert_dir, "--task", "sst2", "--data", data, "--steps", "2", "--batch-size", "8",
               "--rank", "2", "--max-length", "32", "--quiet"]
-    cases = [(["--method", "adam"], "method: unknown method 'adam'; choose one of dp-adamw, ffa, lamb, lora-plus"),
+    cases = [(["--method", "adam"], f"method: unknown method 'adam'; choose one of {', '.join(METHODS)}"),
              (["--target-modules", "query,valeu"], r"target_modules: ['valeu'] name no module of this model; pass "
                                                    "--target-modules with names of its linear layers: classifier, "
                                                    "dense, key, query, value")]
