@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
@@ -97,3 +103,53 @@ def mechanism(sigma, C, b, seed=None, budget=None):
 
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     return GaussianMechanism(DPConfig(sigma, C, b), generator=gen, budget=budget)
+
+
+def randomise_lora_B(model, seed=5, scale=0.3):
+    """Non-zero lora_B, so that lora_A has a non-zero gradient (PEFT starts from lora_B = 0)."""
+    from prismdp.lora import find_lora_pairs
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pair in find_lora_pairs(model):
+            w = pair.lora_B.weight
+            w.copy_(torch.randn(w.shape, generator=g, dtype=w.dtype) * scale)
+
+
+def method_setup(method, sigma=0.0, b=4.0, clip=0.5, noise_seed=1, private=True, lr=0.05, seed=1,
+                 dtype=torch.float32, budget=None):
+    """tiny_net and method's optimizer as make_private builds them (prepare, pair discovery, rank-r start, builder),
+    with a seeded Gaussian mechanism (sigma, C = clip, expected batch b) or none (``private=False``).  Methods without
+    the rank-r start get a random lora_B first.  Returns (model, pairs, sampler, optimizer)."""
+    from prismdp.engine import METHODS
+    from prismdp.grad_sample import GradSampler
+    from prismdp.lora import find_lora_pairs, move_to_rank_r_start
+
+    model = tiny_net(seed=seed, dtype=dtype)
+    spec = METHODS[method]
+    if not spec.rank_r_start:
+        randomise_lora_B(model)
+    if spec.prepare is not None:
+        spec.prepare(model, "default")
+    pairs = find_lora_pairs(model, trainable=spec.trainable)
+    if spec.rank_r_start:
+        move_to_rank_r_start(pairs)
+    sampler = GradSampler(model, pairs)
+    mech = mechanism(sigma, clip, b, noise_seed, budget=budget) if private else None
+    return model, pairs, sampler, spec.build(pairs, sampler.dense_params, lr=lr, mechanism=mech)
+
+
+def interrupt_when_logged(metrics: Path, steps: int, pid: int | None = None, sig=signal.SIGINT):
+    """A thread that sends ``sig`` to ``pid`` (this process by default) once ``metrics`` holds ``steps`` records:
+    Ctrl-C in the middle of a run."""
+    def watch():
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
+                os.kill(pid or os.getpid(), sig)
+                return
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from helpers import gauge_transform, mechanism, net_batch, per_example, tiny_net
+from helpers import gauge_transform, mechanism, method_setup, net_batch, per_example, tiny_net
 from prismdp.engine import METHODS, make_private
 from prismdp.grad_sample import GradSampler
 from prismdp.lora import LoraSetupError, find_lora_pairs, move_to_rank_r_start
@@ -105,16 +105,35 @@ def test_private_clip_is_per_example_global_L2_on_the_trained_tensors(method):
     assert any(clipped) and not all(clipped)
 
 
+@pytest.mark.parametrize("examples", [0, 6])
 @pytest.mark.parametrize("method", BASELINES)
-def test_private_noise_has_std_sigma_C_over_b_on_every_trained_coordinate(method):
+def test_private_noise_has_std_sigma_C_over_b_on_every_trained_coordinate(method, examples):
+    """The released gradient (what the optimizer's step receives in p.grad) minus the release of the same clipped
+    examples by a sigma = 0 twin: N(0, (sigma C / b)^2) on every trained coordinate, for an empty Poisson batch and
+    for 6 examples in two micro-batches (one clipped): noise normalised by the realised batch would be off by b / 6.
+    The per-example gradients are computed once, so the moving point does not change the clean part."""
     sigma, b, draws = 2.0, 8.0, 200
-    model, pairs, sampler, opt = private_setup(method, sigma=sigma, b=b)
+    model, pairs, sampler, opt = method_setup(method, sigma=sigma, b=b, clip=C, lr=1e-2)
+    _, _, _, clean_opt = method_setup(method, sigma=0.0, b=b, clip=C, lr=1e-2)
     tau = sigma * C / b
-    trained = opt.params
+    trained, clean_trained = opt.params, clean_opt.params
+    x, y = net_batch(6, seed=3)
+    x[1] *= 100  # clipped
+    micro = [per_example(model, sampler, x[:3], y[:3]), per_example(model, sampler, x[3:], y[3:])][: examples // 3]
+
+    def released(o, params):
+        for g in micro:
+            o.accumulate(g)
+        o.step()
+        return torch.cat([p.grad.flatten() for p in params])
+
+    clean = released(clean_opt, clean_trained)
+    assert (clean.norm() > 0.1) == (examples > 0)
     grads = []
-    for _ in range(draws):  # nothing accumulated: the released gradient is noise / b
-        opt.step()
-        grads.append(torch.cat([p.grad.flatten() for p in trained]))
+    for _ in range(draws):
+        grads.append(released(opt, trained) - clean)
+    if examples:
+        assert opt.last_stats["batch_size"] == 6 and opt.last_stats["clip_fraction"] > 0
     g = torch.stack(grads)
     assert g.std().item() == pytest.approx(tau, rel=0.03)
     assert abs(g.mean().item()) < 5 * tau / math.sqrt(g.numel())

@@ -307,6 +307,40 @@ def test_split_errors(tmp_path):
         load_glue("qqp", "validation", tmp_path, fmt="subset")
 
 
+def test_a_folder_in_a_files_place_is_a_clear_error(tmp_path):
+    (tmp_path / "SST-2" / "train.tsv").mkdir(parents=True)  # was: IsADirectoryError traceback
+    with pytest.raises(GlueDataError, match=r"train\.tsv is a folder, but GLUE sst2 train data there must be a file"):
+        load_glue("sst2", "train", tmp_path)
+    _write(tmp_path / "SST-2" / "hf_validation", "not a folder")  # a datasets save_to_disk folder expected
+    with pytest.raises(GlueDataError, match="hf_validation is a file.*save_to_disk folder"):
+        load_glue("sst2", "validation", tmp_path)
+    (tmp_path / "QQP" / "train_subset_1.json").mkdir(parents=True)
+    with pytest.raises(GlueDataError, match="is a folder"):
+        load_glue("qqp", "train", tmp_path)
+    (tmp_path / "math.json").mkdir()
+    with pytest.raises(InstructDataError, match=r"math\.json is a folder"):
+        load_instruct_json(tmp_path / "math.json")
+
+
+def test_bytes_that_are_not_utf8_name_the_file_and_line(tmp_path):
+    """A Latin-1 byte (was: a bare 'utf-8' codec error naming no file)."""
+    d = tmp_path / "SST-2"
+    d.mkdir()
+    (d / "train.tsv").write_bytes(b"sentence\tlabel\ngood\t1\ncaf\xe9 good\t1\n")
+    with pytest.raises(GlueDataError, match=r"train\.tsv:3: byte 0xe9 at column 4 is not UTF-8.*iconv"):
+        load_glue("sst2", "train", tmp_path)
+    (d / "dev.tsv").write_bytes("\ufeffsentence\tlabel\ncafé\t1\n".encode("utf-8"))  # UTF-8 with a BOM is fine
+    assert load_glue("sst2", "validation", tmp_path) == [Example("café", None, 1)]
+    (tmp_path / "QQP").mkdir()
+    (tmp_path / "QQP" / "train_subset_1.json").write_bytes(b'{"0": {"text_a": "\xff", "text_b": "b", "label": 1}}')
+    with pytest.raises(GlueDataError, match=r"train_subset_1\.json:1: byte 0xff"):
+        load_glue("qqp", "train", tmp_path)
+    p = tmp_path / "data.json"
+    p.write_bytes(b'[{"instruction": "a",\n "input": "\xe9", "output": "b"}]')
+    with pytest.raises(InstructDataError, match=r"data\.json:2: byte 0xe9 at column 12"):
+        load_instruct_json(p)
+
+
 def test_hub_fallback_without_datasets_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` raise ImportError
     with pytest.raises(ImportError, match="pip install datasets.*data_dir"):
@@ -525,6 +559,14 @@ def test_encode_classification_pairs_and_truncation(bert_tokenizer):
     assert batch["input_ids"].shape == (3, 16) and batch["labels"].tolist() == [1, 0, 1]
     assert batch["labels"].dtype == torch.int64 and batch["token_type_ids"].shape == (3, 16)
     assert batch["attention_mask"][0].sum() == len(f[0]["input_ids"])
+
+
+def test_blank_sentences_are_kept_and_counted(bert_tokenizer):
+    exs = [Example("fine", None, 1), Example("", None, 0), Example(" \t ", None, 1), Example("ok", None, 0)]
+    enc = encode_classification(exs, bert_tokenizer, max_length=16, num_labels=2)
+    assert len(enc.features) == 4 and enc.n_blank == 2
+    pairs = [Example("a", "b", 1), Example("a", "  ", 0), Example("", "b", 0)]
+    assert encode_classification(pairs, bert_tokenizer, max_length=16, num_labels=2).n_blank == 2
 
 
 def test_encode_classification_regression_and_errors(bert_tokenizer):

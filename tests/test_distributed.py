@@ -89,27 +89,58 @@ def test_a_killed_rank_gives_a_clear_error_not_a_hang(tmp_path):
     assert time.time() - t0 < 150
 
 
-def _torchrun(nproc, args, env_extra=None, timeout=300):
+def _torchrun(nproc, args, env_extra=None, timeout=300, wait=True):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            **(env_extra or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port",
            str(29500 + os.getpid() % 1000), "-m", "prismdp", "train", *args]
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
 def test_torchrun_run_reports_the_same_privacy_as_one_process_and_survives_empty_local_batches(tiny_bert_dir,
                                                                                                 tmp_path):
     """privacy.json of `torchrun --nproc-per-node 2 -m prismdp train` equals the one-process run's (world_size
-    aside); q = 1 / 96 makes most local batches empty and the run still finishes; a resume with the same world size
-    continues, a different one is refused."""
+    aside); q = 1 / 96 makes most local batches empty and the run still finishes.  SIGINT to one worker only (rank 1;
+    torchrun forwards a Ctrl-C to every worker, a scheduler may signal any one) stops both ranks after the same step,
+    with a checkpoint there (checkpoint_every 100 never fires), instead of a hang or a lost peer; a resume with the
+    same world size continues, a different one is refused."""
+    from helpers import interrupt_when_logged
+
     from prismdp.cli import main
 
-    common = ["--model", tiny_bert_dir, "--synthetic-train", "96", "--synthetic-test", "16", "--steps", "6",
+    def rank1_pid(torchrun_pid):  # the worker started by torchrun with RANK=1
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            for d in Path("/proc").iterdir():
+                try:
+                    if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == torchrun_pid \
+                            and b"RANK=1" in (d / "environ").read_bytes().split(b"\0"):
+                        return int(d.name)
+                except (OSError, IndexError, ValueError):
+                    continue
+            time.sleep(0.1)
+        raise AssertionError("no rank-1 worker found")
+
+    common = ["--model", tiny_bert_dir, "--synthetic-train", "96", "--synthetic-test", "16", "--steps", "20",
               "--batch-size", "1", "--micro-batch-size", "4", "--rank", "2", "--alpha", "4", "--max-length", "16",
-              "--lr", "1e-2", "--quiet", "--checkpoint-every", "2"]
+              "--lr", "1e-2", "--quiet", "--checkpoint-every", "100"]
     assert main(["train", *common, "--output", str(tmp_path / "one")]) == 0
-    res = _torchrun(2, [*common, "--output", str(tmp_path / "two"), "--stop-after", "4"])
-    assert res.returncode == 0, res.stderr[-3000:]
+    two = tmp_path / "two"
+    proc = _torchrun(2, [*common, "--output", str(two)], wait=False)
+    interrupt_when_logged(two / "metrics.jsonl", 2, pid=rank1_pid(proc.pid))
+    try:
+        _, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:  # ranks that stop after different steps wait for each other's collectives
+        proc.terminate()  # torchrun passes it on to its workers and kills them 30 s later
+        proc.communicate(timeout=120)
+        raise AssertionError("the ranks did not stop together: a hang")
+    stopped = torch.load(two / "checkpoint.pt", weights_only=False)["step"]
+    assert 2 <= stopped < 20 and f"stopped after step {stopped} of 20 (a stop request to another process)" in err, \
+        err[-3000:]
+    assert len((two / "metrics.jsonl").read_text().splitlines()) == stopped
+    assert "PeerLostError" not in err and "ReplicaDivergenceError" not in err, err[-3000:]
     res = _torchrun(2, [*common, "--output", str(tmp_path / "two"), "--resume"])
     assert res.returncode == 0, res.stderr[-3000:]
     one = json.loads((tmp_path / "one" / "privacy.json").read_text())
@@ -118,6 +149,6 @@ def test_torchrun_run_reports_the_same_privacy_as_one_process_and_survives_empty
     assert one == two
     assert json.loads((tmp_path / "two" / "config.json").read_text())["world_size"] == 2
     sizes = [json.loads(line)["batch_size"] for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    assert len(sizes) == 6 and sum(n <= 1 for n in sizes) >= 2  # global batches of 0-1: a rank's was empty
+    assert len(sizes) == 20 and sum(n <= 1 for n in sizes) >= 2  # global batches of 0-1: a rank's was empty
     res = _torchrun(3, [*common, "--output", str(tmp_path / "two"), "--resume"])
     assert res.returncode != 0 and "same number" in res.stderr

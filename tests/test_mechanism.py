@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from helpers import gauge_transform, mechanism, net_batch, per_example, tiny_net
+from helpers import gauge_transform, mechanism, method_setup, net_batch, per_example, tiny_net
 from prismdp import geometry
+from prismdp.engine import METHODS
 from prismdp.grad_sample import GradSampler
 from prismdp.lora import find_lora_pairs, get_factors, move_to_rank_r_start, set_factors
 from prismdp.losses import classification_losses
@@ -53,10 +54,13 @@ def test_each_clipped_example_has_norm_at_most_C():
     assert norms[2] == pytest.approx(C, rel=1e-4)  # the adversarial one is clipped exactly to C
 
 
-@pytest.mark.parametrize("method", ["prism", "dp-adamw"])
+@pytest.mark.parametrize("method", sorted(METHODS))
 def test_add_or_remove_one_example_moves_the_sum_by_at_most_C(method):
+    """Sensitivity of every method: the clipped sum (PRISM: in the intrinsic tangent norm of its release) of a batch
+    with and without any one example (one of them adversarial) differ by at most C."""
     x, y = net_batch(8, seed=4)
     x[5] *= 1e5  # adversarial
+    dists = []
     for drop in range(8):
         keep = [i for i in range(8) if i != drop]
         if method == "prism":
@@ -67,30 +71,41 @@ def test_add_or_remove_one_example_moves_the_sum_by_at_most_C(method):
                     [u - v for u, v in zip(full[1], part[1])])
             dist = release_norm(opt, diff)
         else:
-            model = tiny_net()
-            pairs = find_lora_pairs(model)
-            sampler = GradSampler(model, pairs)
-            opt = dp_adamw(pairs, sampler.dense_params, mechanism=mechanism(0.0, C, 1.0))
+            model, pairs, sampler, opt = method_setup(method, sigma=0.0, b=1.0, clip=C)
             sums = []
             for idx in (list(range(8)), keep):
                 opt.accumulate(per_example(model, sampler, x[idx], y[idx]))
                 sums.append(opt.mechanism.release(opt.coords).values)  # b = 1: the clipped sums
             dist = math.sqrt(sum(float((a - b_).square().sum()) for a, b_ in zip(*sums)))
-        assert dist <= C * (1 + 1e-5), (drop, dist)
+        dists.append(dist)
+    assert max(dists) <= C * (1 + 1e-5), dists
+    assert dists[5] == pytest.approx(C, rel=1e-4)  # the adversarial example, clipped: the bound is attained
 
 
-def test_released_noise_has_std_sigma_C_over_expected_batch():
+@pytest.mark.parametrize("examples", [0, 6])
+def test_released_noise_has_std_sigma_C_over_expected_batch(examples):
+    """PRISM's release minus its clean part (the same clipped examples released by a sigma = 0 twin at the same point)
+    is tangent noise of energy (sigma C / b)^2 chi-square(r (m + n - r)), and N(0, (sigma C / b)^2) on the dense
+    parameters: for an empty Poisson batch and for a batch of 6 examples in two micro-batches (one clipped), where
+    the noise must not depend on the realised batch (a release normalised by it would be off by b / 6)."""
     sigma, b = 2.0, 8.0
     model, pairs, sampler, opt = setup_prism(sigma=sigma, b=b)
+    _, _, _, clean_opt = setup_prism(sigma=0.0, b=b)  # the same model, start and point
     tau = sigma * C / b
+    x, y = net_batch(6, seed=3)
+    x[1] *= 100  # clipped
+    grads = [per_example(model, sampler, x[:3], y[:3]), per_example(model, sampler, x[3:], y[3:])][: examples // 3]
+    clean = clean_release(clean_opt, grads)
+    if examples:
+        assert release_norm(clean_opt, clean) > C  # a real signal (the clipped sum of six examples)
     draws = 400
     energy = {k: [] for k in range(len(pairs))}
     dense_vals = []
     for _ in range(draws):
-        lora, dense = opt.private_release()  # no example accumulated: zero gradient, noise only
-        for k, (dA, dB) in enumerate(lora):
-            energy[k].append(float(geometry.tangent_norm_sq(*get_factors(pairs[k]), dA, dB)))
-        dense_vals.append(torch.cat([d.flatten() for d in dense]))
+        lora, dense = clean_release(opt, grads)
+        for k, ((dA, dB), (cA, cB)) in enumerate(zip(lora, clean[0])):
+            energy[k].append(float(geometry.tangent_norm_sq(*get_factors(pairs[k]), dA - cA, dB - cB)))
+        dense_vals.append(torch.cat([(d - c).flatten() for d, c in zip(dense, clean[1])]))
     for k, pair in enumerate(pairs):
         m, n, r = pair.shape
         e = torch.tensor(energy[k]) / tau**2  # chi-square with r (m + n - r) degrees of freedom
@@ -101,22 +116,24 @@ def test_released_noise_has_std_sigma_C_over_expected_batch():
     assert abs(d.mean().item()) < 5 * tau / math.sqrt(d.numel())
 
 
-def test_micro_batches_equal_one_large_batch():
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_micro_batches_equal_one_large_batch(method):
+    """Every method: one logical batch split into micro-batches in any way gives the same noisy step."""
     x, y = net_batch(8, seed=5)
     x[1] *= 50
     results = []
     for chunks in ([8], [2, 2, 2, 2], [3, 5]):
-        model, pairs, sampler, opt = setup_prism(sigma=1.0, noise_seed=7)
+        model, pairs, sampler, opt = method_setup(method, sigma=1.0, clip=C, noise_seed=7)
         start = 0
         for c in chunks:
             opt.accumulate(per_example(model, sampler, x[start : start + c], y[start : start + c]))
             start += c
         opt.step()
-        results.append([get_factors(p, torch.float32) for p in pairs] + [q.detach().clone() for q in sampler.dense_params])
-        assert opt.last_stats["batch_size"] == 8
+        results.append([pair.layer.get_delta_weight("default").detach().clone() for pair in pairs]
+                       + [q.detach().clone() for q in sampler.dense_params])
+        assert opt.last_stats["batch_size"] == 8 and opt.last_stats["clip_fraction"] > 0
     for other in results[1:]:
         for u, v in zip(results[0], other):
-            u, v = (u, v) if isinstance(u, torch.Tensor) else (u[0] @ u[1].T, v[0] @ v[1].T)
             torch.testing.assert_close(u, v, rtol=1e-4, atol=1e-6)
 
 
@@ -166,20 +183,20 @@ class _Refusing:
         self.recorded += n
 
 
-def test_budget_refusal_happens_before_noise_or_update():
-    model, pairs, sampler, opt = setup_prism(sigma=1.0)
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_budget_refusal_happens_before_noise_or_update(method):
+    model, pairs, sampler, opt = method_setup(method, sigma=1.0, clip=C)
     opt.mechanism.budget = _Refusing()
     x, y = net_batch(4)
     opt.accumulate(per_example(model, sampler, x, y))
-    before = [p.detach().clone() for pair in pairs for p in pair.params]
+    before = [p.detach().clone() for p in model.parameters()]
     gen_state = opt.mechanism.generator.get_state()
     with pytest.raises(RuntimeError, match="budget exhausted"):
         opt.step()
     assert torch.equal(opt.mechanism.generator.get_state(), gen_state)  # no noise drawn
-    assert all(torch.equal(a, p) for a, p in zip(before, [p for pair in pairs for p in pair.params]))
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())  # nothing released into the gradients either
     assert opt.mechanism.budget.recorded == 0
-
-
 
 
 def test_gauge_invariant_trajectory_without_noise():
@@ -275,19 +292,49 @@ def test_dp_adamw_matches_opacus_clipping_and_noise():
     assert noise_opacus.std().item() == pytest.approx(sigma * C / b, rel=0.05)
 
 
-def test_exhausted_budget_is_refused_before_noise():
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_exhausted_budget_is_refused_before_noise(method):
     from prismdp.privacy import BudgetExhaustedError, PrivacyBudget
 
-    model, pairs, sampler, opt = setup_prism(sigma=1.0)
     budget = PrivacyBudget(1.0, 0.1, 1e-5, target_epsilon=1.0)
     budget.record_step(budget.steps_allowed)  # everything spent
-    opt.mechanism.budget = budget
+    model, pairs, sampler, opt = method_setup(method, sigma=1.0, clip=C, budget=budget)
     x, y = net_batch(4)
     opt.accumulate(per_example(model, sampler, x, y))
+    before = [p.detach().clone() for p in model.parameters()]
     gen_state = opt.mechanism.generator.get_state()
     with pytest.raises(BudgetExhaustedError, match="privacy budget exhausted"):
         opt.step()
     assert torch.equal(opt.mechanism.generator.get_state(), gen_state)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert budget.steps_taken == budget.steps_allowed
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_private_step_with_infinite_clip_and_no_noise_is_the_nonprivate_step(method):
+    """Opacus' compare-to-vanilla, for every method: with C = inf (no clipping) and sigma = 0 and a batch of exactly
+    the expected size, three private steps (per-example gradients, summed, divided by b) give the trajectory of the
+    non-private optimizer on the mean loss (float64)."""
+    x, y = net_batch(8, seed=6, dtype=torch.float64)
+    x[2] *= 30  # a large gradient: would be clipped at any finite C
+    finals = []
+    for private in (True, False):
+        model, pairs, sampler, opt = method_setup(method, sigma=0.0, b=8.0, clip=math.inf, private=private, lr=0.02,
+                                                  dtype=torch.float64)
+        start = [p.detach().clone() for p in model.parameters()]
+        for _ in range(3):
+            if private:
+                opt.accumulate(per_example(model, sampler, x, y))
+            else:
+                classification_losses(model(x), y).mean().backward()
+            opt.step()
+            model.zero_grad(set_to_none=True)
+        finals.append([p.detach().clone() for p in model.parameters()])
+        if private:
+            assert opt.last_stats["clip_fraction"] == 0.0
+    assert max(float((a - b_).abs().max()) for a, b_ in zip(finals[1], start)) > 1e-3  # the steps moved it
+    for a, b_ in zip(*finals):
+        torch.testing.assert_close(a, b_, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("dp", [True, False])

@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import sys
 
 __all__ = ["main", "build_parser"]
@@ -59,6 +61,8 @@ def _add_epsilon(sub) -> None:
     p.add_argument("--delta", type=float, default=1e-5)
     p.add_argument("--accountant", choices=["prv", "rdp", "pld"], default="prv",
                    help="Opacus' prv (default) or rdp, or Google dp-accounting's pld")
+    p.add_argument("--dataset-size", type=int, help="N (training examples or users): refuse a delta at or above 1/N")
+    p.add_argument("--allow-large-delta", action="store_true", help="accept a delta at or above 1/N")
 
 
 def _add_experiment(sub) -> None:
@@ -147,18 +151,27 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 
 
 def _cmd_epsilon(args: argparse.Namespace) -> int:
-    from .privacy import calibrate_sigma, epsilon
+    from .privacy import calibrate_sigma, check_delta, epsilon
+    from .privacy.accounting import vacuous_delta_error
 
-    if args.sigma is not None:
-        eps = epsilon(args.sigma, args.sample_rate, args.steps, args.delta, accountant=args.accountant)
-        print(f"{eps:.6f}")
-        if eps == float("inf"):
-            from .privacy.accounting import MAX_EPSILON
+    if args.dataset_size is not None:
+        check_delta(args.delta, args.dataset_size, allow_large=args.allow_large_delta)
+    try:
+        if args.sigma is not None:
+            value = epsilon(args.sigma, args.sample_rate, args.steps, args.delta, accountant=args.accountant)
+            if value < 0:
+                raise vacuous_delta_error(args.delta, args.accountant, f"epsilon {value:.3g}")
+        else:
+            value = calibrate_sigma(args.target_epsilon, args.delta, args.sample_rate, args.steps,
+                                    accountant=args.accountant)
+    except RuntimeError as e:  # Opacus' PRV: "Cannot compute epsilon" where delta exceeds what epsilon 0 gives
+        raise vacuous_delta_error(args.delta, args.accountant, str(e)) from e
+    print(f"{value:.6f}")
+    if value == float("inf"):
+        from .privacy.accounting import MAX_EPSILON
 
-            print(f"prismdp epsilon: above {MAX_EPSILON:g}, where the accountants are not trusted: no meaningful "
-                  "guarantee", file=sys.stderr)
-    else:
-        print(f"{calibrate_sigma(args.target_epsilon, args.delta, args.sample_rate, args.steps, accountant=args.accountant):.6f}")
+        print(f"prismdp epsilon: above {MAX_EPSILON:g}, where the accountants are not trusted: no meaningful "
+              "guarantee", file=sys.stderr)
     return 0
 
 
@@ -190,8 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     from .distributed import PeerLostError, ReplicaDivergenceError
     from .models import ModelLoadError
     from .privacy import BudgetExhaustedError
+    from .train.interrupt import TrainingInterrupted
     from .train.loop import RunExistsError
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
         return {"train": _cmd_train, "epsilon": _cmd_epsilon, "experiment": _cmd_experiment,
@@ -200,6 +215,18 @@ def main(argv: list[str] | None = None) -> int:
             PeerLostError, ReplicaDivergenceError) as e:  # no traceback
         print(f"prismdp {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except TrainingInterrupted as e:  # Ctrl-C / SIGTERM during training: a checkpoint was saved after the last step
+        if e.main:
+            resume = [] if "--resume" in argv or args.command != "train" else ["--resume"]  # experiments resume
+            again = shlex.join(["prismdp", *argv, *resume])
+            where = " under torchrun with the same number of processes" if "WORLD_SIZE" in os.environ else ""
+            print(f"prismdp {args.command}: stopped after step {e.step} of {e.total} ({e.signame}); checkpoint saved "
+                  f"in {e.output}. Continue with{where}:\n  {again}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        hint = "; a run continues from its last checkpoint with --resume" if args.command == "train" else ""
+        print(f"prismdp {args.command}: interrupted{hint}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

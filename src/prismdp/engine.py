@@ -24,7 +24,8 @@ from .distributed import World, current_world, shard_seed
 from .grad_sample import GradSampler, float32_trainables
 from .lora import LoraPair, RankRStart, find_lora_pairs, freeze_lora_A, move_to_rank_r_start
 from .optim import PRISM, dp_adamw, dp_ffa, dp_lamb, dp_lora_plus, dp_lora_rite
-from .privacy import PoissonSampler, PrivacyBudget, calibrate_sigma
+from .privacy import BudgetExhaustedError, PoissonSampler, PrivacyBudget, calibrate_sigma, check_delta, epsilon
+from .privacy.accounting import vacuous_delta_error
 from .privacy.clipping import DPConfig
 from .privacy.mechanism import GaussianMechanism
 from .privacy.secure import SecureRandom
@@ -297,6 +298,7 @@ def make_private(
     start: RankRStart | None = None,
     world: World | None = None,
     secure_noise: bool = False,
+    allow_large_delta: bool = False,
     **method_kwargs,
 ) -> PrivateLoRA:
     """Validate the model, calibrate sigma for exactly ``steps`` Poisson steps and build the optimizer.
@@ -312,7 +314,9 @@ def make_private(
     the initialised default group, if it has more than one process; see :mod:`prismdp.distributed`): each process
     calls ``make_private`` with the same arguments on its copy of the model.  ``secure_noise``: Gaussian noise and
     Poisson inclusions from OS-keyed ChaCha20, noise as Holohan-Braghin sums of normals (:mod:`prismdp.privacy.secure`);
-    it takes no ``seed`` (a seeded stream is predictable).  Every check runs before any noise is drawn.
+    it takes no ``seed`` (a seeded stream is predictable).  Every check runs before any noise is drawn.  A ``delta``
+    at or above ``1 / dataset_size`` is refused (the guarantee would not rule out leaking a whole example) unless
+    ``allow_large_delta``.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {sorted(METHODS)}")
@@ -340,12 +344,21 @@ def make_private(
     grad_sampler = GradSampler(model, pairs)  # refuses trainable parameters it cannot cover
     q = batch_size / dataset_size
     dp = budget = None
-    if target_epsilon is not None:
-        noise_multiplier = calibrate_sigma(target_epsilon, delta, q, steps, accountant=accountant)
-    if noise_multiplier is not None:
-        dp = DPConfig(float(noise_multiplier), float(max_grad_norm), float(batch_size))
-        budget = PrivacyBudget(dp.noise_multiplier, q, delta, target_epsilon=target_epsilon, accountant=accountant)
-        budget.check_step(steps)  # the whole run fits in the budget, or fail now
+    if target_epsilon is not None or noise_multiplier is not None:
+        check_delta(delta, dataset_size, allow_large=allow_large_delta)
+        try:
+            if target_epsilon is not None:
+                noise_multiplier = calibrate_sigma(target_epsilon, delta, q, steps, accountant=accountant)
+            dp = DPConfig(float(noise_multiplier), float(max_grad_norm), float(batch_size))
+            budget = PrivacyBudget(dp.noise_multiplier, q, delta, target_epsilon=target_epsilon, accountant=accountant)
+            budget.check_step(steps)  # the whole run fits in the budget, or fail now
+            spent = epsilon(dp.noise_multiplier, q, steps, delta, accountant) if allow_large_delta else 0.0
+            if spent < 0:  # only a large delta can make it negative
+                raise vacuous_delta_error(delta, accountant, f"epsilon {spent:.3g} after {steps} steps")
+        except BudgetExhaustedError:
+            raise
+        except RuntimeError as e:  # Opacus' PRV: "Cannot compute epsilon" where delta exceeds what epsilon 0 gives
+            raise vacuous_delta_error(delta, accountant, str(e)) from e
     world = world if world is not None else current_world()
     if world is not None:  # one shared noise stream (rank 0's seed), one sampling stream per rank
         base_seed = world.shared_seed(seed)

@@ -4,6 +4,9 @@ Labels follow the model convention of :func:`prismdp.models.load_model`: ``num_l
 (labels ``float32``), otherwise labels are class indices (``int64``) checked against ``range(num_labels)``.
 Pairs are truncated by the tokenizer's ``longest_first`` strategy to ``max_length`` tokens (special tokens
 included); an example counts as truncated when its untruncated encoding is longer than ``max_length``.
+Blank sentences (empty or whitespace only) are kept and counted, not refused: standard sets have a few (QQP has
+questions that are empty strings), and an example with a blank sentence is still a valid (if uninformative) one; the
+trainer reports the count.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ _BATCH = 1024
 class EncodedClassification(NamedTuple):
     """``features``: one dict per example with ``input_ids`` and ``attention_mask`` (lists of ints),
     ``token_type_ids`` when the tokenizer produces them, and ``labels`` (0-d tensor, int64 or float32);
-    ``n_truncated``: how many examples lost tokens to ``max_length``."""
+    ``n_truncated``: how many examples lost tokens to ``max_length``; ``n_blank``: how many have a blank sentence."""
 
     features: List[Dict[str, Any]]
     n_truncated: int
+    n_blank: int = 0  # examples with a blank sentence (text_a, or text_b of a pair)
 
 
 def _label_tensor(label, num_labels: int, i: int) -> torch.Tensor:
@@ -69,4 +73,5 @@ def encode_classification(examples: Sequence[Example], tokenizer, max_length: in
             feat = {k: list(cut[k][j]) for k in ("input_ids", "attention_mask", "token_type_ids") if k in cut}
             feat["labels"] = labels[start + j]
             features.append(feat)
-    return EncodedClassification(features, n_truncated)
+    n_blank = sum(not ex.text_a.strip() or (pair and not ex.text_b.strip()) for ex in examples)
+    return EncodedClassification(features, n_truncated, n_blank)

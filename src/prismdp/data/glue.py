@@ -25,6 +25,7 @@ the fix; a missing file raises ``FileNotFoundError`` listing what was looked for
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
 from .example import Example
+from .files import read_text
 from .tasks import GLUE_TASKS, GlueTask, glue_task  # the registry (re-exported here for the readers' users)
 
 __all__ = [
@@ -142,7 +144,8 @@ def _read_tsv(task: GlueTask, path: Path) -> List[Example]:
     col_a, col_b, col_label = task.tsv_columns
     out: List[Example] = []
     # utf-8-sig strips the BOM that starts MRPC's files; harmless elsewhere.
-    with open(path, "r", encoding="utf-8-sig", newline="") as f:
+    text = read_text(path, f"the GLUE {task.name} TSV file", GlueDataError, encoding="utf-8-sig")
+    with io.StringIO(text, newline="") as f:
         reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
         if task.tsv_has_header:
             header = next(reader, None)
@@ -240,8 +243,7 @@ def _read_arrow_dir(task: GlueTask, folder: Path) -> List[Example]:
 
 def _read_subset_json(task: GlueTask, path: Path) -> List[Example]:
     try:
-        with open(path, "r", encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(read_text(path, f"the GLUE {task.name} subset JSON file", GlueDataError))
     except json.JSONDecodeError as e:
         raise GlueDataError(f"{path}: invalid JSON ({e})") from e
     if not isinstance(data, dict):
@@ -330,6 +332,11 @@ def load_glue(task: str, split: str, data_dir: Optional[Union[str, os.PathLike]]
         candidates.append(("tsv", folder / _TSV_NAMES[s], _read_tsv))
     for _, path, reader in candidates:
         if path.exists():
+            folder_expected = reader is _read_arrow_dir
+            if path.is_dir() != folder_expected:
+                raise GlueDataError(
+                    f"{path} is a {'file' if folder_expected else 'folder'}, but GLUE {t.name} {s} data there must be "
+                    f"a {'datasets save_to_disk folder' if folder_expected else 'file'}: move it away or replace it")
             return reader(t, path)
     subset_files = sorted(folder.glob("train_subset_*.json")) if s == "train" else []
     if fmt in ("auto", "subset") and subset_files:

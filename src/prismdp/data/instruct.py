@@ -49,6 +49,8 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, NamedTuple, Sequence, Union
 
+from .files import read_text
+
 __all__ = [
     "InstructDataError",
     "InstructDataset",
@@ -110,10 +112,10 @@ def load_instruct_json(path: Union[str, os.PathLike], keep: Sequence[str] = ()) 
     keys, which every record must have: e.g. a user id column).
     """
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise FileNotFoundError(f"instruction data {p} not found (expected a JSON array of LLM-Adapters records "
                                 f"{{\"instruction\", \"input\", \"output\"}})")
-    text = p.read_text(encoding="utf-8")
+    text = read_text(p, "the instruction data (a JSON array of records)", InstructDataError)
     if not text.strip():
         raise InstructDataError(f"{p}: empty file (expected a JSON array of instruction/input/output records)")
     if p.suffix.lower() == ".jsonl":

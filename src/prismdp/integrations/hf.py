@@ -67,7 +67,9 @@ class PrivacyArguments:
                                                            "dp-adamw, ffa, lora-plus, lamb, lora-rite, ..."})
     target_epsilon: float | None = field(default=None, metadata={"help": "epsilon to reach (sigma is calibrated)"})
     noise_multiplier: float | None = field(default=None, metadata={"help": "or a fixed noise multiplier sigma"})
-    target_delta: float = field(default=1e-5, metadata={"help": "delta (at most 1 / dataset size)"})
+    target_delta: float = field(default=1e-5, metadata={"help": "delta (below 1 / dataset size)"})
+    allow_large_delta: bool = field(default=False, metadata={"help": "accept a delta at or above 1 / dataset size "
+                                                                     "(a weak guarantee)"})
     per_sample_max_grad_norm: float = field(default=1.0, metadata={"help": "clipping bound C"})
     accountant: str = field(default="prv", metadata={"help": "prv, rdp (Opacus) or pld (dp-accounting)"})
     expected_batch_size: int = field(default=64, metadata={"help": "expected logical batch (Poisson, examples or "
@@ -226,7 +228,8 @@ class PrivacyMixin:
             target_epsilon=None if p.disable_dp else p.target_epsilon,
             noise_multiplier=None if p.disable_dp else p.noise_multiplier, delta=p.target_delta,
             max_grad_norm=p.per_sample_max_grad_norm, accountant=p.accountant,
-            seed=None if p.secure_noise else self.args.seed, secure_noise=p.secure_noise, **p.options())
+            seed=None if p.secure_noise else self.args.seed, secure_noise=p.secure_noise,
+            allow_large_delta=p.allow_large_delta, **p.options())
         self.optimizer = _StepOptimizer(self)
         self._last_stats: dict = {}
         self._steps = steps

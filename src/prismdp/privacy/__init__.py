@@ -1,6 +1,7 @@
 """Privacy plumbing: Poisson sampling, accounting, sigma calibration, budget tracking. Knows nothing of LoRA."""
 
-from .accounting import BudgetExhaustedError, PrivacyBudget, calibrate_sigma, epsilon, report_steps
+from .accounting import (BudgetExhaustedError, PrivacyBudget, calibrate_sigma, check_delta, epsilon,
+                         report_steps)
 from .sampling import PoissonSampler, split_micro_batches
 
 __all__ = [
@@ -8,6 +9,7 @@ __all__ = [
     "PoissonSampler",
     "PrivacyBudget",
     "calibrate_sigma",
+    "check_delta",
     "epsilon",
     "report_steps",
     "split_micro_batches",

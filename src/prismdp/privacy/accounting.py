@@ -38,7 +38,9 @@ __all__ = [
     "BudgetExhaustedError",
     "PrivacyBudget",
     "calibrate_sigma",
+    "check_delta",
     "epsilon",
+    "vacuous_delta_error",
     "report_steps",
 ]
 
@@ -75,6 +77,31 @@ def _check_delta(delta: Any) -> float:
     if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
     return float(delta)
+
+
+def check_delta(delta: Any, dataset_size: int, *, allow_large: bool = False, unit: str = "example") -> float:
+    """``delta`` for a dataset of ``dataset_size`` privacy units (examples, or users): in (0, 1) and below 1/N.
+
+    A mechanism that publishes one randomly chosen unit in the clear is (0, 1/N)-DP, so a guarantee with
+    delta >= 1/N does not rule out leaking whole units; it is refused unless ``allow_large`` (the caller's explicit
+    acceptance)."""
+    delta = _check_delta(delta)
+    if delta * dataset_size >= 1 and not allow_large:
+        suggest = 10.0 ** math.floor(math.log10(0.1 / dataset_size))
+        raise ValueError(
+            f"delta={delta:g} is not below 1/N = 1/{dataset_size} = {1 / dataset_size:.3g} (N = training {unit}s): "
+            f"publishing one randomly chosen {unit} in the clear is already (0, 1/N)-DP, so this guarantee would not "
+            f"rule out leaking a whole {unit}. Use a delta well below 1/N (e.g. {suggest:.0e}), or accept it "
+            f"knowingly with --allow-large-delta (make_private(..., allow_large_delta=True))")
+    return delta
+
+
+def vacuous_delta_error(delta: float, accountant: str, detail: str) -> ValueError:
+    """The error for a delta so large that the accountant returns a negative epsilon or none (Opacus' PRV: "Cannot
+    compute epsilon"): at that delta the mechanism is already (0, delta)-DP, a guarantee that says nothing."""
+    return ValueError(
+        f"delta={delta:g} is too large for the {accountant!r} accountant ({detail}): at this delta even epsilon 0 "
+        "holds, so the guarantee says nothing. Use a delta well below 1/N (N = training examples), e.g. 1e-5")
 
 
 def _check_steps(name: str, steps: Any) -> int:

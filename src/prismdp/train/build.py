@@ -34,16 +34,55 @@ class Run:
     world: World | None = None
 
 
+def check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ConfigError(f"method: unknown method {method!r}; choose one of {', '.join(METHODS)}")
+
+
 def default_lr(cfg: TrainConfig, method: str | None = None) -> float:
     """The default learning rate of ``method`` (default ``cfg.method``) for the task family of ``cfg``
     (:attr:`prismdp.engine.MethodSpec.lr`)."""
     method = method or cfg.method
-    if method not in METHODS:
-        raise ConfigError(f"method: unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    check_method(method)
     rates = METHODS[method].lr
     if cfg.task_family not in rates:
         raise ConfigError(f"lr: no default learning rate for method {method!r} on {cfg.task_family} tasks; pass --lr")
     return rates[cfg.task_family]
+
+
+def check_targets(model: nn.Module, targets: list[str]) -> None:
+    """Every LoRA target name must name a module (PEFT matches ``name`` or a name ending in ``.name``, and ignores a
+    name that matches nothing as long as another one matches: a misspelling would silently train fewer layers)."""
+    names = [n for n, _ in model.named_modules()]
+    unknown = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if unknown:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                         if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"})
+        raise ConfigError(f"target_modules: {unknown} name no module of this model; pass --target-modules with "
+                          f"names of its linear layers: {', '.join(linear)}")
+
+
+def position_limit(model: nn.Module) -> int | None:
+    """The longest input a model with learned absolute position embeddings (BERT's ``position_embeddings``, GPT-2's
+    ``wpe``) accepts; None for models without them (RoPE)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and name.rsplit(".", 1)[-1] in ("position_embeddings", "wpe"):
+            pad = module.padding_idx  # RoBERTa numbers positions from padding_idx + 1
+            return module.num_embeddings - (pad + 1 if pad is not None else 0)
+    return None
+
+
+def check_lengths(model: nn.Module, data: TaskData) -> None:
+    """Refuse examples longer than the model's position embeddings (a shape error in the first forward otherwise)."""
+    limit = position_limit(model)
+    if limit is None:
+        return
+    sets = {"training": data.train, **data.eval_sets}
+    longest = {name: max((len(ex["input_ids"]) for ex in exs), default=0) for name, exs in sets.items()}
+    name, n = max(longest.items(), key=lambda kv: kv[1])
+    if n > limit:
+        raise ConfigError(f"max_length: the {name} set has examples of {n} tokens, but this model has position "
+                          f"embeddings for {limit}; pass --max-length {limit} (or less)")
 
 
 def build_lora_model(cfg: TrainConfig, model: nn.Module, task_type: str | None = None
@@ -54,6 +93,7 @@ def build_lora_model(cfg: TrainConfig, model: nn.Module, task_type: str | None =
     (``None``: a plain ``PeftModel``, e.g. for a bare module).  Returns the PEFT model, the targets and the exclusion
     pattern."""
     targets = cfg.target_modules or default_targets(model)
+    check_targets(model, targets)
     exclude = lora_exclude_modules(model)  # vision tower etc. of a multimodal checkpoint: text-only training
     peft_task = {"seq_cls": "SEQ_CLS", "causal_lm": "CAUSAL_LM", None: None}[task_type]
     lora_cfg = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
@@ -67,6 +107,7 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
     :func:`~prismdp.engine.make_private`, e.g. ``start=``).  ``extend_data(data, tokenizer, num_labels)`` may add
     training examples before the run is made private (the audit's input canaries): they are then part of the dataset
     the sample rate and the accountant see."""
+    check_method(cfg.method)
     lr = cfg.lr if cfg.lr is not None else default_lr(cfg)
     torch.manual_seed(cfg.seed)  # the same initial model on every rank (seeds every CUDA device too)
     device = cfg.torch_device(world)
@@ -75,9 +116,13 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
     data = build_task_data(cfg, tokenizer)
     if extend_data is not None:
         extend_data(data, tokenizer, num_labels)
+    check_lengths(model, data)
     for key, count in data.notes.items():
         if ("truncated" in key or "masked" in key) and count:
             log(f"[prismdp] {key}: {count} example(s) (max_length={cfg.max_length})")
+        if key.endswith("blank") and count:
+            log(f"[prismdp] warning: {key}: {count} example(s) with an empty sentence (kept: they train on the label "
+                "alone; remove them from the data if they are a mistake)")
     for name, reason in data.gen_eval_missing.items():
         log(f"[prismdp] eval set {name} is missing (reported in summary.json): {reason}")
     model, targets, exclude = build_lora_model(cfg, model, task_type)
@@ -89,7 +134,7 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
         target_epsilon=cfg.epsilon if cfg.dp else None, delta=cfg.delta, max_grad_norm=cfg.max_grad_norm,
         accountant=cfg.accountant, seed=None if cfg.secure_noise else cfg.seed, init=cfg.init,
         rank_r_start=True if cfg.start == "rank-r" else None, dense_lr=cfg.head_lr, world=world,
-        secure_noise=cfg.secure_noise,
+        secure_noise=cfg.secure_noise, allow_large_delta=cfg.allow_large_delta,
         **make_private_kwargs, **cfg.method_kwargs,
     )
     return Run(cfg, model, tokenizer, data, private, lr, targets, exclude, device, num_labels, world)

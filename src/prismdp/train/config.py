@@ -40,7 +40,9 @@ class TrainConfig:
                                          "'{loraplus_ratio: 6}' (LoRA+)", factory=dict)
     dp: bool = _opt(True, "non-private run with the same method", flag="--no-dp")
     epsilon: float = _opt(3.0, "target epsilon (default 3)")
-    delta: float = _opt(1e-5, "delta (default 1e-5)")
+    delta: float = _opt(1e-5, "delta (default 1e-5); must lie below 1/N (N = training examples, or users)")
+    allow_large_delta: bool = _opt(False, "accept a delta at or above 1/N (a weak guarantee: publishing one random "
+                                          "example in the clear is (0, 1/N)-DP)")
     accountant: str = _opt("prv", "privacy accountant: Opacus' prv (default) or rdp, or dp-accounting's pld",
                            choices=("prv", "rdp", "pld"))
     steps: int | None = _opt(None, "logical steps (default per task family: 500 GLUE, 300 Math, 100 demo)")
@@ -107,6 +109,10 @@ class TrainConfig:
     def __post_init__(self):
         def bad(key, msg):
             raise ConfigError(f"{key}: {msg}")
+
+        for f in dataclasses.fields(self):  # strict booleans: the string "no" (quoted in YAML) is not False
+            if str(f.type) == "bool" and not isinstance(getattr(self, f.name), bool):
+                bad(f.name, f"must be true or false (unquoted in YAML), got {getattr(self, f.name)!r}")
 
         from ..data.tasks import TASKS, expand_eval_tasks  # the task registry (imports torch: not at parse time)
         from ..eval.answers import AQUA_RULES
@@ -239,10 +245,12 @@ class TrainConfig:
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML or JSON mapping of TrainConfig keys (dashes or underscores)."""
+    from ..data.files import read_text
+
     p = Path(path)
-    if not p.exists() or p.is_dir():
+    if not p.exists():
         raise ConfigError(f"config file {str(p)!r} does not exist")
-    text = p.read_text()
+    text = read_text(p, "a config file", ConfigError)
     if p.suffix.lower() == ".json":
         data = json.loads(text)
     else:

@@ -14,7 +14,6 @@ Elsewhere ``ru_maxrss`` (which includes it too).  ``measure`` names which one wa
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 from typing import Sequence
@@ -41,14 +40,10 @@ def step_time_stats(times: Sequence[float]) -> dict:
 
 def run_step_times(metrics_path: Path) -> dict:
     """:func:`step_time_stats` of a run's ``metrics.jsonl`` (resumed segments included); empty if it is absent."""
-    path = Path(metrics_path)
-    if not path.is_file():
-        return {}
-    times = []
-    for line in path.read_text().splitlines():
-        t = json.loads(line).get("step_time_s") if line.strip() else None
-        if isinstance(t, (int, float)):
-            times.append(float(t))
+    from .run_folder import read_metrics
+
+    times = [float(r["step_time_s"]) for r in read_metrics(Path(metrics_path))
+             if isinstance(r.get("step_time_s"), (int, float))]
     return step_time_stats(times)
 
 

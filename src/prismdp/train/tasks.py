@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -77,6 +78,21 @@ class TaskData:
         """What the privacy guarantee counts: users, or examples."""
         return len(self.units) if self.units is not None else len(self.train)
 
+    def fingerprint(self) -> str:
+        """SHA-256 of the tokenised training set as the mechanism sees it (every example's token ids, token types and
+        labels, in order, and the privacy units): a resumed run refuses data that changed since its checkpoint."""
+        import numpy as np
+
+        h = hashlib.sha256()
+        for ex in self.train:
+            for key in ("input_ids", "token_type_ids", "labels"):
+                value = ex.get(key)
+                a = np.asarray(value.tolist() if isinstance(value, Tensor) else value if value is not None else [])
+                h.update(f"{key}:{a.dtype.kind}:{a.shape};".encode())
+                h.update(np.ascontiguousarray(a, dtype=np.float64 if a.dtype.kind == "f" else np.int64).tobytes())
+        h.update(repr(self.units).encode())
+        return h.hexdigest()
+
 
 def task_head(cfg: TrainConfig) -> tuple[str, int | None]:
     """(task_type, num_labels) the model must be loaded with (:data:`prismdp.data.tasks.TASKS`)."""
@@ -150,13 +166,14 @@ def build_task_data(cfg: TrainConfig, tokenizer) -> TaskData:
                 raise ConfigError(f"eval_splits: {unknown} are not {task.name} validation splits ({', '.join(splits)})")
             evals.update({s: load_glue(task.name, s, cfg.data) for s in cfg.eval_splits or splits})
     enc = encode_classification(train_ex, tokenizer, cfg.max_length, num_labels)
-    notes = {"train_examples": len(enc.features), "truncated": enc.n_truncated}
+    notes = {"train_examples": len(enc.features), "truncated": enc.n_truncated, "blank": enc.n_blank}
     eval_sets = {}
     for name, exs in evals.items():
         exs = exs[: cfg.eval_examples] if cfg.eval_examples else exs
         e = encode_classification(exs, tokenizer, cfg.max_length, num_labels)
         eval_sets[name] = e.features
         notes[f"{name}_examples"], notes[f"{name}_truncated"] = len(e.features), e.n_truncated
+        notes[f"{name}_blank"] = e.n_blank
     return TaskData("seq_cls", enc.features, classification_losses, eval_sets, task_name, notes)
 
 

@@ -1,0 +1,64 @@
+"""Ctrl-C (SIGINT) and SIGTERM during training: finish the step under way, save a checkpoint, stop cleanly.
+
+An interruption in the middle of a step would leave the optimizer half-way through an update and the data sampler
+past a batch that was never released, so the signal only sets a flag; the training loop reads it after each step,
+saves a checkpoint there and raises :class:`TrainingInterrupted` (a ``KeyboardInterrupt``: code that does not know
+it, such as an experiment grid, stops as it would on Ctrl-C).  In a one-process run a second Ctrl-C stops at once.
+In a multi-process run the ranks get the signal at different moments, or only some of them do (``torchrun`` starts
+its workers in sessions of their own and forwards a Ctrl-C to each in turn; a scheduler may signal any process): the
+ranks add their flags in the per-step all-reduce, so all of them stop after the same step, and later signals are
+ignored (torchrun's shutdown timeout, 30 s by default, still applies: a step and a checkpoint must fit in it).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+__all__ = ["StopRequest", "TrainingInterrupted"]
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Training stopped on a signal after ``step`` steps; the checkpoint in ``output`` holds that step.  ``main``:
+    raised in the process that reports (rank 0 of a multi-process run)."""
+
+    def __init__(self, step: int, total: int, output: str, signame: str, main: bool = True):
+        super().__init__(f"{signame}: stopped after step {step} of {total}; checkpoint saved in {output}")
+        self.step, self.total, self.output, self.signame, self.main = step, total, output, signame, main
+
+
+class StopRequest:
+    """Context manager: while active, SIGINT/SIGTERM set :attr:`signame` instead of raising (main thread only; in other
+    threads signals cannot be caught and nothing changes)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, log=print, escalate: bool = True):
+        self.log, self.escalate = log, escalate
+        self.signame: str | None = None
+        self._previous: dict = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signame is not None
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signame is None:
+            self.signame = name
+            self.log(f"\n[prismdp] {name}: finishing the current step, then saving a checkpoint"
+                     + (" (Ctrl-C again to stop at once, losing the steps since the last checkpoint)"
+                        if self.escalate else ""))
+        elif self.escalate and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
