@@ -314,7 +314,7 @@ class PRISM(KeepStateDtypes, torch.optim.Optimizer):
             dA, dB, precond = adaptive_direction(st, fr, dA, dB, tau, group["betas"], group["eps"], self.options)
         if self.options.lift_before("retraction"):
             dA, dB = geometry.horizontal_lift(A, B, dA, dB, fr)
-        A_new, B_new = geometry.retract(A, B, dA, dB, group["lr"])
+        A_new, B_new = geometry.retract(A, B, dA, dB, group["lr"], fr)  # extends the step's frame
         A_new, B_new = geometry.procrustes_align(A_new, B_new, A, B)
         self._set_stacked_factors(self.stacks[i], A_new, B_new)
         return precond
