@@ -66,7 +66,8 @@ def _prism_setup(m: int, n: int, r: int, b: int, seed: int = 0):
     opt = PRISM(pairs, lr=1e-3, mechanism=GaussianMechanism(DPConfig(1.0, 1.0, float(b)),
                                                          generator=torch.Generator().manual_seed(seed)))
     g = torch.Generator().manual_seed(seed + 1)
-    grads = PerExampleGrads(b, [(torch.randn(b, m, r, generator=g), torch.randn(b, n, r, generator=g))])
+    gbt, ga = torch.randn(1, b, r, m, generator=g), torch.randn(1, b, r, n, generator=g)  # the sampler's layout
+    grads = PerExampleGrads(b, [(gbt[0].mT, ga[0].mT)], stacks=[[0]], stacked=[(gbt, ga)])
     return opt, grads
 
 

@@ -25,6 +25,7 @@ from prismdp.geometry import (
     frame,
     lift_with_frame,
     noise_with_frame,
+    per_example_norm_sq_balanced,
     procrustes_align,
     projected_grad_norm_sq,
     projected_grad_norm_sq_balanced,
@@ -350,9 +351,13 @@ def test_projected_grad_norm_sq_balanced_matches_dense_with_group_broadcast(m, n
     out = projected_grad_norm_sq_balanced(Frame(*(t.unsqueeze(1) for t in fr)), G @ B.unsqueeze(1),
                                           G.mT @ A.unsqueeze(1))
     assert out.shape == (3, 5)
+    # PRISM's call: the same gradients rank-major (k, b, r, .), as the gradient sampler writes them
+    rank_major = per_example_norm_sq_balanced(fr, (G @ B.unsqueeze(1)).mT.contiguous(),
+                                              (G.mT @ A.unsqueeze(1)).mT.contiguous())
     for k in range(3):
         ref = fro_sq(dense_project(pinv_projector(A[k]), pinv_projector(B[k]), G[k]))
         torch.testing.assert_close(out[k], ref, rtol=1e-11, atol=0)
+        torch.testing.assert_close(rank_major[k], ref, rtol=1e-11, atol=0)
 
 
 def test_projected_grad_norm_sq_batched_factors():

@@ -28,6 +28,7 @@ __all__ = [
     "tangent_norm_sq",
     "projected_grad_norm_sq",
     "projected_grad_norm_sq_balanced",
+    "per_example_norm_sq_balanced",
     "sample_tangent_noise",
     "noise_with_frame",
     "retract",
@@ -164,6 +165,23 @@ def projected_grad_norm_sq_balanced(fr: Frame, gA: Tensor, gB: Tensor) -> Tensor
     C = fr.QA.mT @ gA  # Q_A^T G B              (.., r, r)
     resid_A = gA.mT @ gA - C.mT @ C  # gA^T (I - Pi_A) gA    (.., r, r)
     sq = (resid_A * N_inv).sum((-2, -1)) + ((gB.mT @ gB) * M_inv).sum((-2, -1))
+    return sq.clamp_min(0.0)
+
+
+def per_example_norm_sq_balanced(fr: Frame, gA_t: Tensor, gB_t: Tensor) -> Tensor:
+    """:func:`projected_grad_norm_sq_balanced` of a stack of k modules' per-example gradients, given rank-major:
+    ``gA_t`` (k, b, r, m) holds ``gA^T`` and ``gB_t`` (k, b, r, n) ``gB^T`` per module and example, the frame has batch
+    shape (k,).  Returns (k, b).  Each gradient is read as it lies: ``Q_A^T gA`` for all b examples is one
+    (k, b r, m) @ (k, m, r) product (broadcasting the frame over the examples copied it b times), and the Gram
+    matrices are ``gA_t gA_t^T``.  For balanced factors, like :func:`projected_grad_norm_sq_balanced`."""
+    k, b, r, m = gA_t.shape
+    eye = torch.eye(r, dtype=fr.RA.dtype, device=fr.RA.device)
+    inv_RA = torch.linalg.solve_triangular(fr.RA, eye, upper=True)
+    inv_RB = torch.linalg.solve_triangular(fr.RB, eye, upper=True)
+    M_inv, N_inv = (inv_RA @ inv_RA.mT).unsqueeze(1), (inv_RB @ inv_RB.mT).unsqueeze(1)  # (k, 1, r, r)
+    Ct = (gA_t.reshape(k, b * r, m) @ fr.QA).view(k, b, r, r)  # (Q_A^T gA)^T
+    resid_A = gA_t @ gA_t.mT - Ct @ Ct.mT  # gA^T (I - Pi_A) gA
+    sq = (resid_A * N_inv).sum((-2, -1)) + ((gB_t @ gB_t.mT) * M_inv).sum((-2, -1))
     return sq.clamp_min(0.0)
 
 
