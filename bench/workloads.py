@@ -12,6 +12,9 @@ Variants (:func:`available_variants`; the default run is :data:`VARIANTS`):
 * ``prism-secure``, ``dp-adamw-secure`` (opt-in) the same with ``secure_noise=True``: noise and Poisson
                       inclusions from OS-keyed ChaCha20, noise as Holohan-Braghin sums of four normals
                       (:mod:`prismdp.privacy.secure`).
+* ``prism-bf16``, ``prism-ckpt``, ``prism-bf16-ckpt`` (opt-in, issue 12; :mod:`bench.scaling`) PRISM with the frozen
+                      base model in bfloat16 (LoRA factors float32, as ``prismdp train --dtype bfloat16``) and/or
+                      transformers' gradient checkpointing (``--gradient-checkpointing``, non-re-entrant).
 * ``opacus-dp-adamw`` Opacus' own DP-AdamW: ``PrivacyEngine.make_private`` (hooks mode) around the same PEFT
                       model, micro-batches as Opacus' virtual steps (``signal_skip_step``), as BatchMemoryManager
                       does.
@@ -33,7 +36,8 @@ from torch import nn
 REFERENCES = ("lora-adamw", "opacus-dp-adamw")  # not prismdp methods: the non-private and Opacus baselines
 VARIANTS = ("lora-adamw", "dp-adamw", "prism", "opacus-dp-adamw")  # the default run
 # selectable with --variants, not run by default: a registered method with one thing changed
-ABLATIONS = {"prism-no-dropout-comp": "prism", "prism-secure": "prism", "dp-adamw-secure": "dp-adamw"}
+ABLATIONS = {"prism-no-dropout-comp": "prism", "prism-secure": "prism", "dp-adamw-secure": "dp-adamw",
+             "prism-bf16": "prism", "prism-ckpt": "prism", "prism-bf16-ckpt": "prism"}
 
 
 def available_variants() -> tuple[str, ...]:
@@ -165,12 +169,15 @@ def _batches(w: Workload, vocab: int, seed: int = 0):
     return [(ids[i], mask[i], labels[i]) for i in range(w.n_micro)]
 
 
-def _peft(base: nn.Module, w: Workload) -> nn.Module:
+def _peft(base: nn.Module, w: Workload, dtype: torch.dtype | None = None) -> nn.Module:
     from prismdp.train.build import build_lora_model
     from prismdp.train.config import TrainConfig
 
     cfg = TrainConfig(rank=w.rank, alpha=w.rank, dropout=0.05, target_modules=w.targets)
-    model = build_lora_model(cfg, copy.deepcopy(base), w.task_type)[0]
+    frozen = copy.deepcopy(base)
+    if dtype is not None:  # the base cast before PEFT wraps it: the LoRA factors are created float32
+        frozen = frozen.to(dtype)
+    model = build_lora_model(cfg, frozen, w.task_type)[0]
     model.train()
     return model
 
@@ -184,12 +191,18 @@ def _per_example_losses(w: Workload, model, ids, mask, labels):
     return causal_lm_losses(logits, labels)
 
 
-def build_variant(name: str, w: Workload, base: nn.Module) -> Variant:
-    """A fresh PEFT copy of ``base`` set up for variant ``name``, with its step function."""
+def build_variant(name: str, w: Workload, base: nn.Module, shard: tuple[int, int] = (0, 1)) -> Variant:
+    """A fresh PEFT copy of ``base`` set up for variant ``name``, with its step function.  ``shard = (rank, size)``:
+    a private variant's step runs the micro-batches ``rank, rank + size, ...`` of the logical batch (one process of a
+    multi-process run, :mod:`bench.scaling`)."""
     if name not in available_variants():
         raise ValueError(f"unknown variant {name!r}; choose from {available_variants()}")
     torch.manual_seed(0)
-    model = _peft(base, w)
+    model = _peft(base, w, torch.bfloat16 if "bf16" in name else None)
+    if name.endswith("-ckpt"):
+        from prismdp.models import enable_gradient_checkpointing
+
+        enable_gradient_checkpointing(model)
     vocab = model.get_input_embeddings().num_embeddings
     data = _batches(w, vocab)
 
@@ -217,8 +230,10 @@ def build_variant(name: str, w: Workload, base: nn.Module) -> Variant:
         timer = Timer()
         private = dataclasses.replace(private, optimizer=TimedOptimizer(private.optimizer, timer))
 
+        mine = data[shard[0]::shard[1]]
+
         def step():
-            for ids, mask, labels in data:
+            for ids, mask, labels in mine:
                 private.backward(_per_example_losses(w, model, ids, mask, labels))
             private.step()
 

@@ -129,6 +129,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
     shown = report_steps(cfg.steps)  # epsilon costs an accountant call: shown at 8 steps, not every step
     eps_shown = "-"
     peak = PeakMemory(device).start()  # the training steps' peak (loading and evaluation excluded)
+    loop_start = time.perf_counter()
     with (open(metrics_path, "a") if main else contextlib.nullcontext()) as metrics:
         for batch in private.batches():
             t0 = time.perf_counter()
@@ -148,6 +149,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
                 "batch_size": n,
                 "lr": private.optimizer.param_groups[0]["lr"],
                 "step_time_s": time.perf_counter() - t0,
+                "elapsed_s": time.perf_counter() - loop_start,  # since this segment's loop began: all it did
             }
             if main:
                 metrics.write(json.dumps(record) + "\n")
