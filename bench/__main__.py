@@ -277,7 +277,9 @@ def main(argv=None) -> int:
     p.add_argument("--train-jobs", type=_csv, default=None,
                    help=f"prismdp train against the bench's step on these jobs (of {', '.join(TRAIN_JOBS)}; default: "
                         "those among --workloads whose data is here; empty: skip)")
-    p.add_argument("--train-steps", type=int, default=8, help="measured steps per train / bench run (default 8)")
+    p.add_argument("--train-steps", type=int, default=12, help="measured steps per train / bench run, after 2 warm-up "
+                                                             "steps (default 12: W0's window holds one of its 8 "
+                                                             "epsilon report steps, as often as its 100-step run)")
     p.add_argument("--micro-sizes", type=lambda s: [int(x) for x in _csv(s)], default=None,
                    help="m = n sizes of the micro-benchmark (default 256,...,8192; empty: skip)")
     p.add_argument("--note", action="append", default=[], help="a note for the results (repeatable), e.g. how the "
