@@ -34,7 +34,7 @@ from prismdp.train.profile import PeakMemory, status_kb
 from . import extrapolate as extrap
 from . import train_job
 from .micro import HostSyncCounter, run_micro
-from .workloads import ABLATIONS, VARIANTS, WORKLOADS, available_variants, build_variant
+from .workloads import ABLATIONS, CLOCKS, VARIANTS, WORKLOADS, available_variants, build_variant
 
 RATIOS = [  # (name, numerator, denominator, target by workload): issue 17's targets
     ("prism / dp-adamw", "prism", "dp-adamw", {"W0": 1.03, "W1": 1.03, "W2": 1.03}),
@@ -54,20 +54,21 @@ def _csv(s: str) -> List[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
-def time_steps(workload: str, variants: List[str], steps: int, warmup: int, log=print) -> dict:
+def time_steps(workload: str, variants: List[str], steps: int, warmup: int, log=print, clock=time.perf_counter
+               ) -> dict:
     w = WORKLOADS[workload]
     t0 = time.perf_counter()
     base = w.load()
-    built = [build_variant(v, w, base) for v in variants]
+    built = [build_variant(v, w, base, clock=clock) for v in variants]
     log(f"[bench] {workload}: {w.description}; built {len(built)} variants in {time.perf_counter() - t0:.1f} s")
     times: Dict[str, List[float]] = {v.name: [] for v in built}
     mech: Dict[str, List[float]] = {v.name: [] for v in built}
     for rnd in range(warmup + steps):
         for v in built:
             m0 = v.mechanism.seconds if v.mechanism else 0.0
-            t = time.perf_counter()
+            t = clock()
             v.step()
-            dt = time.perf_counter() - t
+            dt = clock() - t
             if rnd >= warmup:
                 times[v.name].append(dt)
                 mech[v.name].append((v.mechanism.seconds - m0) if v.mechanism else 0.0)
@@ -169,7 +170,8 @@ def markdown(report: dict) -> str:
     lines = [f"# prismdp benchmark{' (quick)' if report['quick'] else ''}", "",
              f"{env['date']}, commit {env['commit']}, torch {env['torch']}, {env['threads']} thread(s), "
              f"{env['cpus']} CPU(s), {env['machine']}. Warm-up {report['warmup']} + {report['steps']} measured "
-             "rounds per workload, variants interleaved in one process; ratios are medians of per-round ratios."]
+             "rounds per workload, variants interleaved in one process; ratios are medians of per-round ratios"
+             + ("; step and mechanism times are the process's CPU time." if report.get("clock") == "cpu" else ".")]
     load = env.get("load")
     if load:
         lines.append(f"Machine load (1-minute load average, {env['cpus']} CPUs): {load['start']:.1f} at the start, "
@@ -271,6 +273,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10, help="measured rounds (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up rounds (default 3)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                   help="step and mechanism times: wall (default) or this process's CPU time (cpu: with --threads 1, "
+                        "robust to other processes sharing the cores; train / bench stays wall time)")
     p.add_argument("--quick", action="store_true", help="1 warm-up + 2 rounds, no memory runs, no train / bench, "
                                                         "micro up to 1024")
     p.add_argument("--no-memory", action="store_true", help="skip the per-variant memory processes")
@@ -305,15 +310,15 @@ def main(argv=None) -> int:
     sizes = args.micro_sizes if args.micro_sizes is not None else (
         [256, 512, 1024] if args.quick else [256, 512, 1024, 2048, 4096, 8192])
     load0 = os.getloadavg()[0]
-    report = {"quick": args.quick, "steps": args.steps, "warmup": args.warmup,
+    report = {"quick": args.quick, "steps": args.steps, "warmup": args.warmup, "clock": args.clock,
               "environment": _environment(args.threads), "workloads": [], "memory": {}, "notes": args.note}
     for wl in workloads:
         if wl == "W0":
             methods = [m for m in train_job.METHODS if m in args.variants]
-            got = train_job.time_job("W0", methods, args.steps, args.warmup)
+            got = train_job.time_job("W0", methods, args.steps, args.warmup, clock=CLOCKS[args.clock])
             report["workloads"].append(summarize("W0", got["description"], got["times"]))
             continue
-        report["workloads"].append(time_steps(wl, args.variants, args.steps, args.warmup))
+        report["workloads"].append(time_steps(wl, args.variants, args.steps, args.warmup, clock=CLOCKS[args.clock]))
         if not args.no_memory:
             report["memory"][wl] = measure_memory(wl, args.variants, args.threads, args.steps)
     report["train_vs_bench"] = [train_job.train_vs_bench(j, args.train_steps, 2) for j in jobs

@@ -67,7 +67,7 @@ def _build(job: str, method: str):
     return run
 
 
-def _stepper(run):
+def _stepper(run, clock=time.perf_counter):
     from prismdp.train.step import backward_batch
 
     batches = iter(run.private.batches())
@@ -75,19 +75,19 @@ def _stepper(run):
 
     def step() -> float:
         batch = next(batches)
-        t0 = time.perf_counter()
+        t0 = clock()
         backward_batch(run.private, run.model, run.data.train, run.data.loss, batch, cfg.micro_batch_size,
                        run.tokenizer.pad_token_id, run.device, cfg.group_by_length, units=run.data.units)
         run.private.step()
-        return time.perf_counter() - t0
+        return clock() - t0
 
     return step
 
 
-def time_job(job: str, methods: List[str], steps: int, warmup: int, log=print) -> dict:
+def time_job(job: str, methods: List[str], steps: int, warmup: int, log=print, clock=time.perf_counter) -> dict:
     """The job's methods stepped interleaved on the same batches; the same result layout as the workloads'."""
     t0 = time.perf_counter()
-    steppers = {m: _stepper(_build(job, m)) for m in methods}
+    steppers = {m: _stepper(_build(job, m), clock) for m in methods}
     log(f"[bench] {job}: built {len(methods)} trainer runs in {time.perf_counter() - t0:.1f} s")
     times: Dict[str, List[float]] = {m: [] for m in methods}
     for rnd in range(warmup + steps):

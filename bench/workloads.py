@@ -109,11 +109,15 @@ WORKLOADS: Dict[str, Workload] = {
 }
 
 
-class Timer:
-    """Accumulated wall time of the calls made through :meth:`call` (the mechanism's share of a step); with
-    ``count_syncs`` set, also the host synchronisations inside them."""
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process's CPU time (meaningful at 1 thread)
 
-    def __init__(self):
+
+class Timer:
+    """Accumulated time (``clock``: wall or this process's CPU time) of the calls made through :meth:`call` (the
+    mechanism's share of a step); with ``count_syncs`` set, also the host synchronisations inside them."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
         self.seconds = 0.0
         self.count_syncs = False
         self.syncs = 0
@@ -121,7 +125,7 @@ class Timer:
     def call(self, fn, *args, **kwargs):
         from .micro import HostSyncCounter
 
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             if not self.count_syncs:
                 return fn(*args, **kwargs)
@@ -130,7 +134,7 @@ class Timer:
             self.syncs += counter.count
             return out
         finally:
-            self.seconds += time.perf_counter() - t0
+            self.seconds += self.clock() - t0
 
 
 class TimedOptimizer:
@@ -191,10 +195,11 @@ def _per_example_losses(w: Workload, model, ids, mask, labels):
     return causal_lm_losses(logits, labels)
 
 
-def build_variant(name: str, w: Workload, base: nn.Module, shard: tuple[int, int] = (0, 1)) -> Variant:
+def build_variant(name: str, w: Workload, base: nn.Module, shard: tuple[int, int] = (0, 1),
+                  clock: Callable[[], float] = time.perf_counter) -> Variant:
     """A fresh PEFT copy of ``base`` set up for variant ``name``, with its step function.  ``shard = (rank, size)``:
     a private variant's step runs the micro-batches ``rank, rank + size, ...`` of the logical batch (one process of a
-    multi-process run, :mod:`bench.scaling`)."""
+    multi-process run, :mod:`bench.scaling`); ``clock`` times its mechanism."""
     if name not in available_variants():
         raise ValueError(f"unknown variant {name!r}; choose from {available_variants()}")
     torch.manual_seed(0)
@@ -227,7 +232,7 @@ def build_variant(name: str, w: Workload, base: nn.Module, shard: tuple[int, int
                                secure_noise=secure)
         if name == "prism-no-dropout-comp":
             private.start.dropout_compensation.remove()
-        timer = Timer()
+        timer = Timer(clock)
         private = dataclasses.replace(private, optimizer=TimedOptimizer(private.optimizer, timer))
 
         mine = data[shard[0]::shard[1]]
@@ -249,7 +254,7 @@ def build_variant(name: str, w: Workload, base: nn.Module, shard: tuple[int, int
     engine = PrivacyEngine(accountant="prv")
     gsm, dp_opt, _ = engine.make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
                                          max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode="hooks")
-    timer = Timer()
+    timer = Timer(clock)
 
     def step():
         for i, (ids, mask, labels) in enumerate(data):
