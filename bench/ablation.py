@@ -53,15 +53,15 @@ def _setup(base, variant):
         opt = PRISM(pairs, lr=1e-4, mechanism=mechanism, stack_by_shape="per-module" not in off,
                     norms="qr" if "qr-norms" in off else "gram")
     g = torch.Generator().manual_seed(0)
-    lora = [(torch.randn(4, p.shape[0], 16, generator=g), torch.randn(4, p.shape[1], 16, generator=g))
+    lora = [(torch.randn(4, 16, p.shape[0], generator=g), torch.randn(4, 16, p.shape[1], generator=g))
             for p in pairs]
-    # the gradient sampler's stacked layout, as in training
+    # the gradient sampler's stacked rank-major layout, as in training
     stacks = stack_by_shape(pairs)
     stacked = [(torch.stack([lora[k][0] for k in idx]), torch.stack([lora[k][1] for k in idx])) for idx in stacks]
     views = [None] * len(lora)
     for idx, (gb, ga) in zip(stacks, stacked):
         for j, k in enumerate(idx):
-            views[k] = (gb[j], ga[j])
+            views[k] = (gb[j].mT, ga[j].mT)
     grads = PerExampleGrads(4, views, stacks=stacks, stacked=stacked)
 
     def step():

@@ -66,7 +66,8 @@ def _prism_setup(m: int, n: int, r: int, b: int, seed: int = 0):
     opt = PRISM(pairs, lr=1e-3, mechanism=GaussianMechanism(DPConfig(1.0, 1.0, float(b)),
                                                          generator=torch.Generator().manual_seed(seed)))
     g = torch.Generator().manual_seed(seed + 1)
-    grads = PerExampleGrads(b, [(torch.randn(b, m, r, generator=g), torch.randn(b, n, r, generator=g))])
+    gbt, ga = torch.randn(1, b, r, m, generator=g), torch.randn(1, b, r, n, generator=g)  # the sampler's layout
+    grads = PerExampleGrads(b, [(gbt[0].mT, ga[0].mT)], stacks=[[0]], stacked=[(gbt, ga)])
     return opt, grads
 
 
@@ -82,16 +83,24 @@ def _time(fn, steps: int, warmup: int) -> List[float]:
 
 
 def prism_step_times(m: int, n: int, r: int, b: int, steps: int, warmup: int):
+    """Seconds per PRISM step (accumulate + step), and separately per ``accumulate`` (the per-example part: norms,
+    clipping, sums) and per ``step`` (lift, noise, adaptive direction, retraction: independent of b)."""
     opt, grads = _prism_setup(m, n, r, b)
+    parts = {"accumulate": [], "step": []}
 
     def step():
+        t0 = time.perf_counter()
         opt.accumulate(grads)
+        t1 = time.perf_counter()
         opt.step()
+        parts["accumulate"].append(t1 - t0)
+        parts["step"].append(time.perf_counter() - t1)
 
     times = _time(step, steps, warmup)
+    parts = {k: v[warmup:] for k, v in parts.items()}
     with HostSyncCounter() as counter:
         step()
-    return times, counter
+    return times, counter, parts
 
 
 def dense_step_times(m: int, n: int, r: int, b: int, steps: int, warmup: int, tokens: int = 16):
@@ -122,8 +131,10 @@ def run_micro(sizes: List[int], r: int = 16, b: int = 64, steps: int = 5, warmup
               log=print) -> dict:
     rows = []
     for d in sizes:
-        times, counter = prism_step_times(d, d, r, b, steps, warmup)
+        times, counter, parts = prism_step_times(d, d, r, b, steps, warmup)
         row = {"m": d, "n": d, "r": r, "b": b, "prism_median_s": statistics.median(times), "prism_times_s": times,
+               "accumulate_median_s": statistics.median(parts["accumulate"]),
+               "step_median_s": statistics.median(parts["step"]),
                "host_syncs_per_step": counter.count, "host_sync_ops": counter.names}
         if d <= dense_max:
             dt = dense_step_times(d, d, r, b, max(2, steps // 2), 1)

@@ -12,6 +12,9 @@ Variants (:func:`available_variants`; the default run is :data:`VARIANTS`):
 * ``prism-secure``, ``dp-adamw-secure`` (opt-in) the same with ``secure_noise=True``: noise and Poisson
                       inclusions from OS-keyed ChaCha20, noise as Holohan-Braghin sums of four normals
                       (:mod:`prismdp.privacy.secure`).
+* ``prism-bf16``, ``prism-ckpt``, ``prism-bf16-ckpt`` (opt-in, issue 12; :mod:`bench.scaling`) PRISM with the frozen
+                      base model in bfloat16 (LoRA factors float32, as ``prismdp train --dtype bfloat16``) and/or
+                      transformers' gradient checkpointing (``--gradient-checkpointing``, non-re-entrant).
 * ``opacus-dp-adamw`` Opacus' own DP-AdamW: ``PrivacyEngine.make_private`` (hooks mode) around the same PEFT
                       model, micro-batches as Opacus' virtual steps (``signal_skip_step``), as BatchMemoryManager
                       does.
@@ -33,7 +36,8 @@ from torch import nn
 REFERENCES = ("lora-adamw", "opacus-dp-adamw")  # not prismdp methods: the non-private and Opacus baselines
 VARIANTS = ("lora-adamw", "dp-adamw", "prism", "opacus-dp-adamw")  # the default run
 # selectable with --variants, not run by default: a registered method with one thing changed
-ABLATIONS = {"prism-no-dropout-comp": "prism", "prism-secure": "prism", "dp-adamw-secure": "dp-adamw"}
+ABLATIONS = {"prism-no-dropout-comp": "prism", "prism-secure": "prism", "dp-adamw-secure": "dp-adamw",
+             "prism-bf16": "prism", "prism-ckpt": "prism", "prism-bf16-ckpt": "prism"}
 
 
 def available_variants() -> tuple[str, ...]:
@@ -105,11 +109,15 @@ WORKLOADS: Dict[str, Workload] = {
 }
 
 
-class Timer:
-    """Accumulated wall time of the calls made through :meth:`call` (the mechanism's share of a step); with
-    ``count_syncs`` set, also the host synchronisations inside them."""
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process's CPU time (meaningful at 1 thread)
 
-    def __init__(self):
+
+class Timer:
+    """Accumulated time (``clock``: wall or this process's CPU time) of the calls made through :meth:`call` (the
+    mechanism's share of a step); with ``count_syncs`` set, also the host synchronisations inside them."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
         self.seconds = 0.0
         self.count_syncs = False
         self.syncs = 0
@@ -117,7 +125,7 @@ class Timer:
     def call(self, fn, *args, **kwargs):
         from .micro import HostSyncCounter
 
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             if not self.count_syncs:
                 return fn(*args, **kwargs)
@@ -126,7 +134,7 @@ class Timer:
             self.syncs += counter.count
             return out
         finally:
-            self.seconds += time.perf_counter() - t0
+            self.seconds += self.clock() - t0
 
 
 class TimedOptimizer:
@@ -165,12 +173,15 @@ def _batches(w: Workload, vocab: int, seed: int = 0):
     return [(ids[i], mask[i], labels[i]) for i in range(w.n_micro)]
 
 
-def _peft(base: nn.Module, w: Workload) -> nn.Module:
+def _peft(base: nn.Module, w: Workload, dtype: torch.dtype | None = None) -> nn.Module:
     from prismdp.train.build import build_lora_model
     from prismdp.train.config import TrainConfig
 
     cfg = TrainConfig(rank=w.rank, alpha=w.rank, dropout=0.05, target_modules=w.targets)
-    model = build_lora_model(cfg, copy.deepcopy(base), w.task_type)[0]
+    frozen = copy.deepcopy(base)
+    if dtype is not None:  # the base cast before PEFT wraps it: the LoRA factors are created float32
+        frozen = frozen.to(dtype)
+    model = build_lora_model(cfg, frozen, w.task_type)[0]
     model.train()
     return model
 
@@ -184,12 +195,19 @@ def _per_example_losses(w: Workload, model, ids, mask, labels):
     return causal_lm_losses(logits, labels)
 
 
-def build_variant(name: str, w: Workload, base: nn.Module) -> Variant:
-    """A fresh PEFT copy of ``base`` set up for variant ``name``, with its step function."""
+def build_variant(name: str, w: Workload, base: nn.Module, shard: tuple[int, int] = (0, 1),
+                  clock: Callable[[], float] = time.perf_counter) -> Variant:
+    """A fresh PEFT copy of ``base`` set up for variant ``name``, with its step function.  ``shard = (rank, size)``:
+    a private variant's step runs the micro-batches ``rank, rank + size, ...`` of the logical batch (one process of a
+    multi-process run, :mod:`bench.scaling`); ``clock`` times its mechanism."""
     if name not in available_variants():
         raise ValueError(f"unknown variant {name!r}; choose from {available_variants()}")
     torch.manual_seed(0)
-    model = _peft(base, w)
+    model = _peft(base, w, torch.bfloat16 if "bf16" in name else None)
+    if name.endswith("-ckpt"):
+        from prismdp.models import enable_gradient_checkpointing
+
+        enable_gradient_checkpointing(model)
     vocab = model.get_input_embeddings().num_embeddings
     data = _batches(w, vocab)
 
@@ -214,11 +232,13 @@ def build_variant(name: str, w: Workload, base: nn.Module) -> Variant:
                                secure_noise=secure)
         if name == "prism-no-dropout-comp":
             private.start.dropout_compensation.remove()
-        timer = Timer()
+        timer = Timer(clock)
         private = dataclasses.replace(private, optimizer=TimedOptimizer(private.optimizer, timer))
 
+        mine = data[shard[0]::shard[1]]
+
         def step():
-            for ids, mask, labels in data:
+            for ids, mask, labels in mine:
                 private.backward(_per_example_losses(w, model, ids, mask, labels))
             private.step()
 
@@ -234,7 +254,7 @@ def build_variant(name: str, w: Workload, base: nn.Module) -> Variant:
     engine = PrivacyEngine(accountant="prv")
     gsm, dp_opt, _ = engine.make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
                                          max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode="hooks")
-    timer = Timer()
+    timer = Timer(clock)
 
     def step():
         for i, (ids, mask, labels) in enumerate(data):

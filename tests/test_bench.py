@@ -80,3 +80,53 @@ def test_secure_noise_draw_benchmark_writes_its_table(tmp_path):
     assert [r["method"] for r in rows] == ["prism", "dp-adamw"]
     assert all(r["coordinates"] > 0 and r["median_s"]["noise_secure"] > 0 for r in rows)
     assert "| tiny-bert | prism |" in (tmp_path / "noise.md").read_text()
+
+
+def test_extrapolation_counts_every_linear_layer_of_the_three_shapes():
+    """The flop model's multiply-adds per token equal the Linear weights of the models themselves (built on the meta
+    device from their configurations: an independent count)."""
+    import torch
+    from torch import nn
+    from transformers import (BertConfig, BertForSequenceClassification, Gemma3ForCausalLM, Gemma3TextConfig,
+                              LlamaConfig, LlamaForCausalLM)
+
+    from bench import extrapolate as ex
+
+    with torch.device("meta"):
+        models = {
+            "Gemma-3-4B": Gemma3ForCausalLM(Gemma3TextConfig(
+                hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+                num_key_value_heads=4, head_dim=256, vocab_size=262144)),
+            "W2": LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                               num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3)),
+            "W1": BertForSequenceClassification(BertConfig(hidden_size=384, intermediate_size=1536,
+                                                           num_hidden_layers=6, num_attention_heads=12)),
+        }
+    for name, model in models.items():
+        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+        assert ex.SHAPES[name].linear_params == linear, name
+        lora = sorted((m.weight.shape[0], m.weight.shape[1]) for n, m in model.named_modules()
+                      if isinstance(m, nn.Linear) and n.split(".")[-1] in ("q_proj", "k_proj", "v_proj", "up_proj",
+                                                                             "down_proj", "query", "key", "value"))
+        assert sorted((m, n) for m, n, c in ex.SHAPES[name].modules for _ in range(c)) == lora, name
+
+
+def test_extrapolation_fits_the_micro_benchmark_and_reports_shares():
+    """Micro rows made exactly linear in m + n: the fits recover the lines, the mechanism seconds follow the stated
+    model (a per stack and call, the slope per unit of m + n), and the table carries the measured share."""
+    from bench import extrapolate as ex
+
+    rows = [{"m": d, "n": d, "b": 64, "accumulate_median_s": 1e-3 + 2e-7 * 2 * d, "step_median_s": 2e-3 + 1e-7 * 2 * d}
+            for d in (256, 512, 1024, 2048)]
+    assert ex._fit(rows, "accumulate_median_s") == pytest.approx((1e-3, 2e-7))
+    s = ex.SHAPES["W2"]
+    width = sum(c * (m + n) for m, n, c in s.modules)
+    expected = 4 * (2 * 1e-3 + 2e-3) + width * (2e-7 * 8 / 64 + 1e-7)
+    assert ex.mechanism_seconds(s, {"rows": rows}) == pytest.approx(expected)
+    workloads = [{"workload": "W2", "variants": {"lora-adamw": {"median_s": 6.0},
+                                                  "prism": {"mechanism_median_s": 0.2, "mechanism_share": 0.03}}}]
+    ext = ex.extrapolate({"rows": rows}, workloads)
+    assert ext["cpu_flop_rate"] == pytest.approx(ex.step_flops(s) / 6.0)
+    w2 = next(r for r in ext["rows"] if r["shape"] == "W2")
+    assert w2["measured_share"] == 0.03 and w2["cpu_step_s"] == pytest.approx(6.0)
+    assert 0 < w2["flop_share"] < 0.05 and "| Gemma-3-4B |" in "\n".join(ex.markdown(ext))

@@ -25,6 +25,7 @@ from prismdp.geometry import (
     frame,
     lift_with_frame,
     noise_with_frame,
+    per_example_norm_sq_balanced,
     procrustes_align,
     projected_grad_norm_sq,
     projected_grad_norm_sq_balanced,
@@ -350,9 +351,13 @@ def test_projected_grad_norm_sq_balanced_matches_dense_with_group_broadcast(m, n
     out = projected_grad_norm_sq_balanced(Frame(*(t.unsqueeze(1) for t in fr)), G @ B.unsqueeze(1),
                                           G.mT @ A.unsqueeze(1))
     assert out.shape == (3, 5)
+    # PRISM's call: the same gradients rank-major (k, b, r, .), as the gradient sampler writes them
+    rank_major = per_example_norm_sq_balanced(fr, (G @ B.unsqueeze(1)).mT.contiguous(),
+                                              (G.mT @ A.unsqueeze(1)).mT.contiguous())
     for k in range(3):
         ref = fro_sq(dense_project(pinv_projector(A[k]), pinv_projector(B[k]), G[k]))
         torch.testing.assert_close(out[k], ref, rtol=1e-11, atol=0)
+        torch.testing.assert_close(rank_major[k], ref, rtol=1e-11, atol=0)
 
 
 def test_projected_grad_norm_sq_batched_factors():
@@ -594,6 +599,48 @@ def test_retract_zero_step_returns_same_point_balanced():
     An, Bn = retract(A, B, z(A), z(B), 0.3)
     assert rel_err(An @ Bn.mT, A @ B.mT) < 1e-13
     torch.testing.assert_close(An.mT @ An, Bn.mT @ Bn, rtol=0, atol=1e-12)
+
+
+def _stacked_qr_retract(A, B, dA, dB, lr):
+    """The retraction as first written: thin QR of the whole (m, 2r) / (n, 2r) stacks."""
+    r = A.shape[-1]
+    Qu, Ru = torch.linalg.qr(torch.cat([A, dA], dim=-1))
+    Qv, Rv = torch.linalg.qr(torch.cat([B, dB], dim=-1))
+    core = Ru[..., :r] @ (Rv[..., :r] - lr * Rv[..., r:]).mT - lr * (Ru[..., r:] @ Rv[..., :r].mT)
+    Uc, S, Vch = torch.linalg.svd(core)
+    root = S[..., :r].sqrt().unsqueeze(-2)
+    return (Qu @ Uc[..., :r]) * root, (Qv @ Vch[..., :r, :].mT) * root
+
+
+@pytest.mark.parametrize("case", ["random", "dA-in-span", "dB-in-span", "both-in-span", "dA-zero", "tiny-normal"])
+def test_retract_extending_the_frame_matches_truncated_svd_in_degenerate_directions(case):
+    """The retraction orthogonalises only the new directions against the frame of (A, B): exact (float64, against
+    the dense truncated SVD and the stacked-QR retraction) also when a direction has no component outside the
+    factor's column space, none at all, or one ~1e-9 of its size; a precomputed frame gives the same result."""
+    g = gen(185)
+    m, n, r, lr = 11, 9, 3, 0.3
+    A, B = rand_factors(g, m, n, r)
+    dA, dB = randn(g, m, r), randn(g, n, r)
+    if case in ("dA-in-span", "both-in-span"):
+        dA = A @ randn(g, r, r)
+    if case in ("dB-in-span", "both-in-span"):
+        dB = B @ randn(g, r, r)
+    if case == "dA-zero":
+        dA = torch.zeros_like(dA)
+    if case == "tiny-normal":
+        QA, _ = torch.linalg.qr(A)
+        dA = A @ randn(g, r, r) + 1e-9 * (dA - QA @ (QA.mT @ dA))
+    X = A @ B.mT - lr * dense_tangent(A, B, dA, dB)
+    ref, S = truncated_svd(X, r)
+    An, Bn = retract(A, B, dA, dB, lr)
+    assert rel_err(An @ Bn.mT, ref, X.norm()) < 1e-12
+    torch.testing.assert_close(An.mT @ An, torch.diag(S[:r]), rtol=0, atol=1e-12 * float(S[0]))
+    torch.testing.assert_close(Bn.mT @ Bn, torch.diag(S[:r]), rtol=0, atol=1e-12 * float(S[0]))
+    Ao, Bo = _stacked_qr_retract(A, B, dA, dB, lr)
+    torch.testing.assert_close(An @ Bn.mT, Ao @ Bo.mT, rtol=0, atol=1e-12 * float(X.norm()))
+    Af, Bf = retract(A, B, dA, dB, lr, frame(A, B))
+    torch.testing.assert_close(Af, An, rtol=0, atol=0)
+    torch.testing.assert_close(Bf, Bn, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("factor_batch", [False, True], ids=["shared-factors", "batched-factors"])

@@ -258,6 +258,48 @@ def test_gradient_checkpointing_gives_identical_per_example_gradients(arch, reen
         torch.testing.assert_close(d2, d1, rtol=1e-12, atol=1e-14)
 
 
+def _backward_peak_bytes(model, ids, mask, sampler=None):
+    """Peak of the CPU allocator's live bytes during one backward pass (and the sampler's collect), relative to its
+    start, from torch.profiler's per-operator allocations and frees (self, not inclusive, so nothing is counted
+    twice); also the per-example gradients when a sampler records."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if sampler is not None:
+        sampler.arm()
+    loss = causal_lm_losses(model(input_ids=ids, attention_mask=mask).logits, ids.masked_fill(mask == 0, -100)).sum()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss.backward()
+        grads = sampler.collect() if sampler is not None else None
+    live = peak = 0
+    for event in sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    model.zero_grad(set_to_none=True)
+    if sampler is not None:
+        sampler.disarm()
+    return peak, grads
+
+
+def test_per_example_gradients_are_computed_and_released_as_the_backward_reaches_each_module():
+    """Each tap computes its module's per-example gradients when the module's output gradient arrives and keeps
+    nothing after: the DP backward's peak allocation is the non-private backward's plus exactly the per-example factor
+    gradients (a sampler that held every module's output gradient until the end, as the first one did, raises it by
+    (b, T, m) per module: ~5x the per-example gradients here), and the per-example gradients so computed equal
+    one-example backward passes (float64)."""
+    model = tiny_llama().double()
+    pairs = find_lora_pairs(model)
+    move_to_rank_r_start(pairs)
+    ids, mask = padded_batch([40, 25, 40, 33], vocab=120)
+    plain, _ = _backward_peak_bytes(model, ids, mask)
+    dp, pe = _backward_peak_bytes(model, ids, mask, GradSampler(model, pairs))
+    per_example_bytes = sum(t.numel() * t.element_size() for pair in pe.stacked for t in pair)
+    assert per_example_bytes == sum(4 * r * (m + n) * 8 for m, n, r in (p.shape for p in pairs))
+    assert plain < dp <= plain + per_example_bytes
+    labels = ids.masked_fill(mask == 0, -100)
+    rows = _one_by_one(model, pairs, [], ids, mask, labels, causal_lm_losses)
+    _check(pe, rows, len(pairs), atol=1e-12)
+
+
 def test_a_module_called_twice_contributes_both_calls():
     """Shared weights: a LoRA layer applied twice in one forward gets the sum of both calls' per-example gradients,
     as autograd's own gradient does (checked against one-example backward passes)."""

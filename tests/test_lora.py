@@ -90,6 +90,84 @@ def test_lora_dropout_acts_on_the_update_only_after_the_rank_r_start(tmp_path):
                                    exported.eval()(input_ids=ids, attention_mask=mask).logits, rtol=0, atol=1e-5)
 
 
+class _UnfusedCompensation:
+    """The reference: ``Z0 (x - drop(x))`` added by autograd-recorded tensor operations (pre-hook on lora_A keeps
+    drop(x), a forward hook on the layer adds ``((x - drop(x)) B0) A0^T``), as the first implementation did."""
+
+    def __init__(self, pairs, factors):
+        self.handles = []
+        for pair, (a0, b0) in zip(pairs, factors):
+            seen = []
+
+            def keep(module, args, seen=seen):
+                seen.append(args[0])
+
+            def add(module, args, output, seen=seen, a0=a0, b0=b0):
+                xd = seen.pop()
+                return output + ((args[0] - xd) @ b0.to(xd.dtype)) @ a0.to(xd.dtype).T
+
+            self.handles += [pair.lora_A.register_forward_pre_hook(keep), pair.layer.register_forward_hook(add)]
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _moved_train_model(seed=2):
+    """A float64 tiny BERT in train mode (LoRA dropout 0.5) on its rank-r start, with Z moved away from Z0."""
+    model = tiny_bert_cls(seed=seed, dropout=0.5).double().train()
+    pairs = find_lora_pairs(model)
+    start = move_to_rank_r_start(pairs)
+    g = torch.Generator().manual_seed(1)
+    for pair in pairs:
+        A, B = get_factors(pair, torch.float64)
+        set_factors(pair, A + 0.3 * torch.randn(A.shape, generator=g, dtype=A.dtype),
+                    B + 0.3 * torch.randn(B.shape, generator=g, dtype=B.dtype))
+    return model, pairs, start
+
+
+def _losses_and_grads(model, pairs, ids, mask, labels, seed=5):
+    from prismdp.grad_sample import GradSampler
+    from prismdp.losses import classification_losses
+
+    sampler = GradSampler(model, pairs)
+    torch.manual_seed(seed)  # the same dropout masks in every call
+    with sampler.record() as rec:
+        losses = classification_losses(model(input_ids=ids, attention_mask=mask).logits, labels)
+        losses.sum().backward()
+    grads = [(p.lora_B.weight.grad.clone(), p.lora_A.weight.grad.clone()) for p in pairs]
+    model.zero_grad(set_to_none=True)
+    sampler.close()
+    return losses.detach(), grads, sampler.grads(rec)
+
+
+def test_fused_compensation_equals_the_unfused_one_with_gradients_and_per_example_gradients():
+    """Float64, train mode, dropout 0.5, a second layer whose input depends on the first layer's factors (so the
+    backward's gradient with respect to x and drop(x) is exercised): losses, summed factor gradients and the
+    gradient sampler's per-example gradients of the fused compensation equal the unfused reference's."""
+    model, pairs, start = _moved_train_model()
+    ids, mask = padded_batch([7, 4, 9])
+    labels = torch.tensor([0, 1, 1])
+    fused = _losses_and_grads(model, pairs, ids, mask, labels)
+    start.dropout_compensation.remove()
+    none = _losses_and_grads(model, pairs, ids, mask, labels)
+    reference = _UnfusedCompensation(pairs, start.factors)
+    unfused = _losses_and_grads(model, pairs, ids, mask, labels)
+    reference.remove()
+    assert (fused[0] - none[0]).abs().max() > 1e-6  # the compensation matters at this dropout
+    torch.testing.assert_close(fused[0], unfused[0], rtol=0, atol=1e-12)
+    for (gb, ga), (rb, ra), (nb, na) in zip(fused[1], unfused[1], none[1]):
+        torch.testing.assert_close(gb, rb, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(ga, ra, rtol=1e-10, atol=1e-12)
+    assert max((ga - na).abs().max() for (_, ga), (_, na) in zip(fused[1], none[1])) > 1e-6
+    pe_fused, pe_ref = fused[2], unfused[2]
+    for k in range(len(pairs)):
+        for part in (0, 1):
+            torch.testing.assert_close(pe_fused.lora[k][part], pe_ref.lora[k][part], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(pe_fused.lora[k][0].sum(0), fused[1][k][0], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(pe_fused.lora[k][1].sum(0), fused[1][k][1].T, rtol=1e-10, atol=1e-12)
+
+
 def test_no_compensation_hooks_without_dropout():
     model = tiny_bert_cls(dropout=0.0)
     assert not move_to_rank_r_start(find_lora_pairs(model)).dropout_compensation.active

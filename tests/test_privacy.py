@@ -74,6 +74,23 @@ def test_large_epsilons_are_refused_or_reported_as_untrusted_at_once():
     assert MAX_EPSILON == 100
 
 
+@pytest.mark.parametrize("sigma, q, counts", [(0.87, 0.016, (500, 63, 1, 250)), (3.0, 0.25, (40, 7)),
+                                               (0.6, 1.0, (5, 2))])
+def test_cached_rdp_domain_prv_is_opacus_prv_bitwise(sigma, q, counts):
+    """prismdp's PRV accountant (the domain's RDP bound cached per (sigma, q)) returns Opacus' PRVAccountant's float
+    exactly, at every step count of a run (in any order, so the cache is exercised) and for a two-mechanism history
+    (Opacus' own path)."""
+    from prismdp.privacy.prv import CachedRDPDomainPRVAccountant
+
+    for steps in counts:
+        stock, cached = PRVAccountant(), CachedRDPDomainPRVAccountant()
+        stock.history = cached.history = [(sigma, q, steps)]
+        assert cached.get_epsilon(DELTA) == stock.get_epsilon(DELTA)
+    stock, cached = PRVAccountant(), CachedRDPDomainPRVAccountant()
+    stock.history = cached.history = [(sigma, q, 3), (2 * sigma, q / 2, 4)]
+    assert cached.get_epsilon(DELTA) == stock.get_epsilon(DELTA)
+
+
 def test_epsilon_matches_opacus_stepping():
     """Composing via the history equals stepping an accountant one step at a time."""
     reference = RDPAccountant()

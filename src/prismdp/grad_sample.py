@@ -49,8 +49,10 @@ class PerExampleGrads:
     batch_size: int
     lora: list[tuple[Tensor, Tensor | None]]
     dense: list[Tensor] = field(default_factory=list)
-    #: optional: the same LoRA gradients laid out per stack of equal-shape pairs (``stacks[i]`` lists pair indices)
-    #: as ``stacked[i] = (g_WB (k, b, m, r), g_WA_T (k, b, n, r) or None)``; ``lora`` then holds views into them.
+    #: optional: the same LoRA gradients laid out per stack of equal-shape pairs (``stacks[i]`` lists pair indices),
+    #: rank-major: ``stacked[i] = (g_WB^T (k, b, r, m), g_WA (k, b, r, n) or None)``, contiguous; ``lora`` then holds
+    #: transposed views into them.  Rank-major is the layout the taps compute fastest (see :class:`Recording`) and the
+    #: one in which ``Q_A^T g_A`` needs no copy of the frame per example.
     stacks: list[list[int]] | None = None
     stacked: list[tuple[Tensor, Tensor | None]] | None = None
 
@@ -70,7 +72,7 @@ class PerExampleGrads:
             lora: list = [None] * len(self.lora)
             for idx, (b, a) in zip(self.stacks, stacked):
                 for j, k in enumerate(idx):
-                    lora[k] = (b[j], a[j] if a is not None else None)
+                    lora[k] = (b[j].mT, a[j].mT if a is not None else None)
         else:
             lora = [(add(b, 0), add(a, 0) if a is not None else None) for b, a in self.lora]
         return PerExampleGrads(n_groups, lora, [add(d, 0) for d in self.dense], self.stacks, stacked)
@@ -174,8 +176,11 @@ class _Tap(torch.autograd.Function):
 class Recording:
     """Per-example gradients of one micro-batch, filled in by the taps during its backward pass.
 
-    ``stacked[i] = [g_WB (k, b, m, r), g_WA_T (k, b, n, r) or None]`` for stack ``stacks[i]``, allocated when the
-    first gradient of the stack arrives; ``dense[j]`` per dense parameter (b, *p.shape).
+    ``stacked[i] = [g_WB^T (k, b, r, m), g_WA (k, b, r, n) or None]`` for stack ``stacks[i]`` (rank-major), allocated
+    when the first gradient of the stack arrives; ``dense[j]`` per dense parameter (b, *p.shape).  The taps write
+    ``h^T dy`` (b, r, m) and ``dh^T x`` (b, r, n): on this CPU the rank-major products took 19 us against 99 us for
+    ``dy^T h`` (b, m, r) at b 8, T 32, 384 x 384, r 4, and 350 against 640 us at b 4, T 128, 1536 x 576, r 16
+    (one thread).
     """
 
     def __init__(self, sampler: GradSampler):
@@ -196,9 +201,9 @@ class Recording:
             g, a = g.to(dt), a.to(dt)
             stack = self.stacked[i]
             if stack[part] is None:
-                rows = m if part == 0 else n
-                stack[part] = torch.empty(len(sampler.stacks[i]), g.shape[0], rows, r, dtype=dt, device=g.device)
-            left, right = (g.mT, a) if part == 0 else (a.mT, g)  # dy^T h (b, m, r) / x^T dh (b, n, r)
+                cols = m if part == 0 else n
+                stack[part] = torch.empty(len(sampler.stacks[i]), g.shape[0], r, cols, dtype=dt, device=g.device)
+            left, right = (a.mT, g) if part == 0 else (g.mT, a)  # h^T dy (b, r, m) / dh^T x (b, r, n)
             if self.written[k][part]:  # a second call of the module in this forward: its contributions add up
                 stack[part][j].add_(torch.bmm(left, right))
             else:
@@ -244,7 +249,7 @@ class Recording:
             buf_b, buf_a = self.stacked[i]
             stacked.append((buf_b, buf_a))
             for j, k in enumerate(idx):
-                lora[k] = (buf_b[j], buf_a[j] if buf_a is not None else None)
+                lora[k] = (buf_b[j].mT, buf_a[j].mT if buf_a is not None else None)
         batch = int(stacked[0][0].shape[1])
         return PerExampleGrads(batch_size=batch, lora=lora, dense=list(self.dense), stacks=sampler.stacks,
                                stacked=stacked)

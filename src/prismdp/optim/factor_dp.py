@@ -72,13 +72,14 @@ class DPFactorOptimizer:
     def accumulate(self, grads: PerExampleGrads) -> None:
         if grads.batch_size == 0:
             return
-        # exactly the trained tensors, in the order of params: a frozen lora_A joins neither norm nor sum;
-        # lora_A's per-example gradient arrives transposed (n, r)
+        # exactly the trained tensors, in the order of params: a frozen lora_A joins neither norm nor sum. Read in
+        # the sampler's rank-major layout (contiguous): lora_B's as (b, r, m), summed then transposed, lora_A's as
+        # (b, r, n), the weight's own shape
         tensors: list[PerExample] = []
         for pair, (g_wb, g_wa_t) in zip(self.pairs, grads.lora):
-            tensors.append(PerExample(g_wb.to(self.dtype)))
+            tensors.append(PerExample(g_wb.mT.to(self.dtype), transpose=True))
             if pair.trains_A:
-                tensors.append(PerExample(g_wa_t.to(self.dtype), transpose=True))
+                tensors.append(PerExample(g_wa_t.mT.to(self.dtype)))
         tensors += [PerExample(g.to(self.dtype)) for g in grads.dense]
         sq = sum(t.values.flatten(1).square().sum(1) for t in tensors)
         self.mechanism.accumulate(sq, tensors, self.coords)

@@ -62,6 +62,12 @@ class _TangentCoordinates:
         return self._map(geometry.noise_with_frame, draws)
 
 
+def _qr_norm_sq(fr: geometry.Frame, gA_t: Tensor, gB_t: Tensor) -> Tensor:
+    """(k, b) per-example norms by triangular solves (:func:`prismdp.geometry.projected_grad_norm_sq`), from rank-major
+    gradients; the frame broadcasts over the examples."""
+    return geometry.projected_grad_norm_sq(geometry.Frame(*(t.unsqueeze(1) for t in fr)), gA_t.mT, gB_t.mT)
+
+
 class PRISM(KeepStateDtypes, torch.optim.Optimizer):
     """PRISM: DP-SGD on the intrinsic LoRA updates ``Z = A B^T`` with a DP-aware rank-space adaptive step.
 
@@ -117,8 +123,7 @@ class PRISM(KeepStateDtypes, torch.optim.Optimizer):
         self.adaptive = adaptive
         self.options = AdaptiveOptions.from_preset(preset, floor_mode=floor_mode, floor_factor=floor_factor,
                                                    debias=debias, horizontal_lift=horizontal_lift, cond_max=cond_max)
-        self._norm_sq = (geometry.projected_grad_norm_sq_balanced if norms == "gram"
-                         else geometry.projected_grad_norm_sq)
+        self._norm_sq = geometry.per_example_norm_sq_balanced if norms == "gram" else _qr_norm_sq
         self.stacks = lora.stack_by_shape(self.pairs) if stack_by_shape else [[k] for k in range(len(self.pairs))]
         self._hooks = StepHooks()
         self.last_clip = None
@@ -186,11 +191,12 @@ class PRISM(KeepStateDtypes, torch.optim.Optimizer):
         return 1.0 / math.sqrt(self.pairs[idx[0]].scaling)
 
     def _stacked_grads(self, grads: PerExampleGrads) -> list[tuple[Tensor, Tensor]]:
-        """Per stack (k, b, m, r) / (k, b, n, r) per-example factor gradients (unscaled): the sampler's own
-        stacks when it stacked the pairs as this optimizer does, else stacked here."""
+        """Per stack the rank-major per-example factor gradients (k, b, r, m) / (k, b, r, n), i.e. ``gA^T``, ``gB^T``
+        (unscaled): the sampler's own stacks when it stacked the pairs as this optimizer does, else stacked here."""
         if grads.stacked is not None and grads.stacks == self.stacks:
             return [(gb.to(self.dtype), ga.to(self.dtype)) for gb, ga in grads.stacked]
-        return [self._stack_grads(idx, grads.lora) for idx in self.stacks]
+        return [tuple(torch.stack([grads.lora[k][part].mT for k in idx]).to(self.dtype) for part in (0, 1))
+                for idx in self.stacks]
 
     # ------------------------------------------------------------------ private accumulation
 
@@ -199,22 +205,23 @@ class PRISM(KeepStateDtypes, torch.optim.Optimizer):
         """Hand one micro-batch to the mechanism: the global intrinsic per-example norms and the factor gradients
         to clip and sum.
 
-        Stacks of equal-shape modules are processed as one batch: (k, b, m, r) per-example factor gradients (written
-        there by the gradient sampler), r x r Gram matrices for the norms and one reduction per stack.
+        Stacks of equal-shape modules are processed as one batch: (k, b, r, m) rank-major per-example factor
+        gradients (written there by the gradient sampler), r x r Gram matrices for the norms and one reduction per
+        stack.
         """
         if self.mechanism is None:
             raise RuntimeError("accumulate() is for the private optimizer; the non-private one reads p.grad in step()")
         if grads.batch_size == 0:
             return
         frames = self._ensure_frames()
-        stacked = self._stacked_grads(grads)  # (k, b, m, r), (k, b, n, r), still to be scaled by inv_root
+        stacked = self._stacked_grads(grads)  # gA^T (k, b, r, m), gB^T (k, b, r, n), still to be scaled by inv_root
         sq = torch.zeros(grads.batch_size, dtype=self.dtype, device=frames[0].QA.device)
         per_example = []
-        for idx, fr, (gA, gB) in zip(self.stacks, frames, stacked):
-            per_batch = geometry.Frame(*(t.unsqueeze(1) for t in fr))  # (k, 1, ., r) broadcasts over examples
+        for idx, fr, (gA_t, gB_t) in zip(self.stacks, frames, stacked):
             inv_root = self._inv_root(idx)
-            sq = sq + inv_root ** 2 * self._norm_sq(per_batch, gA, gB).sum(0)
-            per_example += [PerExample(gA, dim=1, scale=inv_root), PerExample(gB, dim=1, scale=inv_root)]
+            sq = sq + inv_root ** 2 * self._norm_sq(fr, gA_t, gB_t).sum(0)
+            per_example += [PerExample(gA_t, dim=1, scale=inv_root, transpose=True),
+                            PerExample(gB_t, dim=1, scale=inv_root, transpose=True)]
         dense = [g.to(self.dtype) for g in grads.dense]
         for g in dense:
             sq = sq + g.flatten(1).square().sum(1)
@@ -314,7 +321,7 @@ class PRISM(KeepStateDtypes, torch.optim.Optimizer):
             dA, dB, precond = adaptive_direction(st, fr, dA, dB, tau, group["betas"], group["eps"], self.options)
         if self.options.lift_before("retraction"):
             dA, dB = geometry.horizontal_lift(A, B, dA, dB, fr)
-        A_new, B_new = geometry.retract(A, B, dA, dB, group["lr"])
+        A_new, B_new = geometry.retract(A, B, dA, dB, group["lr"], fr)  # extends the step's frame
         A_new, B_new = geometry.procrustes_align(A_new, B_new, A, B)
         self._set_stacked_factors(self.stacks[i], A_new, B_new)
         return precond

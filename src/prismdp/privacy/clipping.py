@@ -145,7 +145,8 @@ def clipped_sum(coef: Tensor, per_example: Tensor, keep=_AUTO, dim: int = 0) -> 
         per_example = torch.where(keep.view(shape), per_example, 0.0)
     if dim == 0:
         return torch.tensordot(coef, per_example, dims=1)
-    return torch.einsum("b,kb...->k...", coef, per_example)
+    k, b = per_example.shape[:2]  # (k, b, ...): one (1, b) @ (b, rest) product per k, no permuted copy
+    return (coef.to(per_example.dtype) @ per_example.reshape(k, b, -1)).view(k, *per_example.shape[2:])
 
 
 def gaussian_like(t: Tensor, std: float, generator: torch.Generator | None) -> Tensor:

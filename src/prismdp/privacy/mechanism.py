@@ -46,7 +46,8 @@ ExampleSource = Callable[["Coordinates"], "list[Tensor] | None"]
 
 class PerExample(NamedTuple):
     """Per-example tensors of one trained quantity: ``values`` has the example dimension ``dim`` (0, or 1 for
-    (k, b, ...) stacks); the clipped sum is multiplied by ``scale`` and transposed if ``transpose``."""
+    (k, b, ...) stacks); the clipped sum is multiplied by ``scale`` and its last two dimensions are swapped if
+    ``transpose``."""
 
     values: Tensor
     dim: int = 0
@@ -167,7 +168,7 @@ class GaussianMechanism:
             self._sums = coords.zeros()
         for s, pe in zip(self._sums, per_example, strict=True):
             summed = clipped_sum(coef, pe.values, keep, dim=pe.dim)
-            s.add_(summed.T if pe.transpose else summed, alpha=pe.scale)
+            s.add_(summed.mT if pe.transpose else summed, alpha=pe.scale)
         return coef
 
     def _reduce(self, sums: list[Tensor], clip: ClipStats) -> ClipStats:

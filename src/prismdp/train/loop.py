@@ -188,6 +188,7 @@ def _train_steps(run, folder: RunFolder, step: int, fingerprint: str, stop_after
     shown = report_steps(cfg.steps)  # epsilon costs an accountant call: shown at 8 steps, not every step
     eps_shown = "-"
     peak = PeakMemory(device).start()  # the training steps' peak (loading and evaluation excluded)
+    loop_start = time.perf_counter()
     with StopRequest(log, escalate=world is None) as stop, \
             (open(folder.metrics_path, "a") if main else contextlib.nullcontext()) as metrics:
         for batch in private.batches():
@@ -211,6 +212,7 @@ def _train_steps(run, folder: RunFolder, step: int, fingerprint: str, stop_after
                 "batch_size": n,
                 "lr": private.optimizer.param_groups[0]["lr"],
                 "step_time_s": time.perf_counter() - t0,
+                "elapsed_s": time.perf_counter() - loop_start,  # since this segment's loop began: all it did
             }
             if main:
                 metrics.write(json.dumps(record) + "\n")
