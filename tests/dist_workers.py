@@ -23,6 +23,16 @@ def _init(rank: int, world: int, init_file: str, timeout_s: float = 60.0):
     return World()
 
 
+def _close() -> None:
+    """Leave the group together: without it one process's gloo threads can abort ("terminate called without an active
+    exception", exit -6) while its peer is already tearing down."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _batches(n_steps: int, dataset: int, seed: int = 5):
     g = torch.Generator().manual_seed(seed)
     return [torch.nonzero(torch.rand(dataset, generator=g) < 0.3).flatten().tolist() for _ in range(n_steps)]
@@ -55,6 +65,7 @@ def trajectory(rank: int, world_size: int, init_file: str, out: str, method: str
         private.check_replicas(6)
         if rank == 0:
             torch.save(traj, out)
+        _close()
     except Exception:  # noqa: BLE001
         Path(out + f".err{rank}").write_text(traceback.format_exc())
         raise
@@ -80,6 +91,7 @@ def noise_only(rank: int, world_size: int, init_file: str, out: str, steps: int,
             private.step()
         private.check_replicas(steps)
         torch.save(torch.stack(released), out + f".{rank}")
+        _close()
     except Exception:  # noqa: BLE001
         Path(out + f".err{rank}").write_text(traceback.format_exc())
         raise
@@ -140,3 +152,4 @@ def diverges(rank: int, world_size: int, init_file: str, out: str) -> None:
             with torch.no_grad():
                 private.pairs[0].lora_A.weight.view(-1)[0] *= 1 + 1e-6  # one float32 ulp or a few
     Path(out + f".{rank}").write_text(json.dumps(outcome))
+    _close()

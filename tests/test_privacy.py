@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from opacus.accountants import RDPAccountant
+from opacus.accountants import PRVAccountant, RDPAccountant
 
 from prismdp.privacy import (
     BudgetExhaustedError,

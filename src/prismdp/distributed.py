@@ -20,6 +20,7 @@ hanging until a timeout.
 
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
 from datetime import timedelta
@@ -165,4 +166,12 @@ def init_from_env(timeout_s: float = 600.0) -> World | None:
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        atexit.register(_destroy_group)  # we created it, we close it (an open group can abort at interpreter exit)
     return current_world()
+
+
+def _destroy_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
