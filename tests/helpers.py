@@ -105,6 +105,20 @@ def mechanism(sigma, C, b, seed=None, budget=None):
     return GaussianMechanism(DPConfig(sigma, C, b), generator=gen, budget=budget)
 
 
+def train_steps(model, sampler, opt, x, y, steps, private=True):
+    """``steps`` optimizer steps on the fixed batch (x, y): per-example gradients into the private optimizer, or the
+    batch-mean loss's backward for a non-private one."""
+    from prismdp.losses import classification_losses
+
+    for _ in range(steps):
+        if private:
+            opt.accumulate(per_example(model, sampler, x, y))
+        else:
+            classification_losses(model(x), y).mean().backward()
+        opt.step()
+        model.zero_grad(set_to_none=True)
+
+
 def randomise_lora_B(model, seed=5, scale=0.3):
     """Non-zero lora_B, so that lora_A has a non-zero gradient (PEFT starts from lora_B = 0)."""
     from prismdp.lora import find_lora_pairs

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from helpers import gauge_transform, mechanism, method_setup, net_batch, per_example, tiny_net
+from helpers import gauge_transform, mechanism, method_setup, net_batch, per_example, randomise_lora_B, tiny_net
 from prismdp.engine import METHODS, make_private
 from prismdp.grad_sample import GradSampler
 from prismdp.lora import LoraSetupError, find_lora_pairs, move_to_rank_r_start
@@ -21,15 +21,6 @@ def rule_task(N=256, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(N, 5, 10, generator=g)
     return x, (x.mean(1) @ torch.randn(10, 3, generator=g)).argmax(1)
-
-
-def randomise_lora_B(model, seed=5, scale=0.3):
-    """Non-zero lora_B, so that lora_A has a non-zero gradient (PEFT starts from lora_B = 0)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for pair in find_lora_pairs(model):
-            w = pair.lora_B.weight
-            w.copy_(torch.randn(w.shape, generator=g, dtype=w.dtype) * scale)
 
 
 def private_setup(method, sigma=0.0, b=4.0, noise_seed=1, clip=C):

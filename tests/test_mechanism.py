@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from helpers import gauge_transform, mechanism, method_setup, net_batch, per_example, tiny_net
+from helpers import gauge_transform, mechanism, method_setup, net_batch, per_example, tiny_net, train_steps
 from prismdp import geometry
 from prismdp.engine import METHODS
 from prismdp.grad_sample import GradSampler
@@ -322,13 +322,7 @@ def test_private_step_with_infinite_clip_and_no_noise_is_the_nonprivate_step(met
         model, pairs, sampler, opt = method_setup(method, sigma=0.0, b=8.0, clip=math.inf, private=private, lr=0.02,
                                                   dtype=torch.float64)
         start = [p.detach().clone() for p in model.parameters()]
-        for _ in range(3):
-            if private:
-                opt.accumulate(per_example(model, sampler, x, y))
-            else:
-                classification_losses(model(x), y).mean().backward()
-            opt.step()
-            model.zero_grad(set_to_none=True)
+        train_steps(model, sampler, opt, x, y, 3, private)
         finals.append([p.detach().clone() for p in model.parameters()])
         if private:
             assert opt.last_stats["clip_fraction"] == 0.0
@@ -351,13 +345,7 @@ def test_batching_modules_by_shape_does_not_change_the_math(dp):
         opt = PRISM(pairs, lr=0.05, dense_params=sampler.dense_params, stack_by_shape=stacked,
                     mechanism=mechanism(0.0, 0.05, 6.0) if dp else None)
         assert [len(idx) for idx in opt.stacks] == ([1, 2] if stacked else [1, 1, 1])
-        for _ in range(6):
-            if dp:
-                opt.accumulate(per_example(model, sampler, x, y))
-            else:
-                classification_losses(model(x), y).mean().backward()
-            opt.step()
-            model.zero_grad(set_to_none=True)
+        train_steps(model, sampler, opt, x, y, 6, dp)
         finals.append([p.detach().clone() for p in model.parameters() if p.requires_grad])
     for a, b in zip(*finals):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
