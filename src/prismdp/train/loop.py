@@ -200,8 +200,6 @@ def _train_steps(run, folder: RunFolder, step: int, fingerprint: str, stop_after
             stopping = stop.requested
             if world is not None:  # a stop request on any rank stops every rank after this step
                 stopping = world.all_reduce_max(int(stopping), "stop request") > 0
-                if step % REPLICA_CHECK_EVERY == 0:
-                    private.check_replicas(step)
             record = {
                 "step": step,
                 "loss": loss_sum / n if n else None,
@@ -224,8 +222,10 @@ def _train_steps(run, folder: RunFolder, step: int, fingerprint: str, stop_after
                             s=f"{record['step_time_s']:.2f}")
             bar.update(1)
             stopping = stopping and step < cfg.steps
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps or step == stop_after or stopping:
-                private.check_replicas(step)
+            save = step % cfg.checkpoint_every == 0 or step == cfg.steps or step == stop_after or stopping
+            if save or step % REPLICA_CHECK_EVERY == 0:
+                private.check_replicas(step)  # (a no-op in one process)
+            if save:
                 state = _checkpoint(run, step, fingerprint)  # collective in a multi-process run
                 if main:
                     folder.save_checkpoint(state)
