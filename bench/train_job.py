@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import statistics
 import tempfile
 import time
@@ -103,11 +102,12 @@ def time_job(job: str, methods: List[str], steps: int, warmup: int, log=print, c
 def _trainer_step_walls(job: str, steps: int) -> List[float]:
     """``prismdp train`` on the job, stopped after ``steps`` steps: wall seconds of each loop iteration."""
     from prismdp.train.loop import train
+    from prismdp.train.run_folder import read_metrics
 
     out = Path(tempfile.mkdtemp(prefix="prismdp-bench-")) / "run"
     with contextlib.redirect_stderr(io.StringIO()):  # the progress bar runs (its cost counts), its text is dropped
         train(_config(job, "prism", str(out)), stop_after=steps, progress=True, log=lambda *a: None)
-    elapsed = [json.loads(line)["elapsed_s"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    elapsed = [r["elapsed_s"] for r in read_metrics(out / "metrics.jsonl")]
     return [b - a for a, b in zip([0.0] + elapsed[:-1], elapsed)]
 
 
