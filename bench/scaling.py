@@ -40,6 +40,20 @@ def precision(workload: str, steps: int, warmup: int, threads: int, memory: bool
     return out
 
 
+def _timed(step, steps: int, warmup: int, before=lambda: None) -> List[float]:
+    """Wall seconds of ``steps`` calls of ``step`` after ``warmup`` untimed ones; ``before`` runs untimed before each
+    (a barrier in a multi-process run)."""
+    times = []
+    for i in range(warmup + steps):
+        before()
+        t0 = time.perf_counter()
+        step()
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            times.append(dt)
+    return times
+
+
 def _rank_worker(rank: int, world: int, init_file: str, workload: str, steps: int, warmup: int, out: str) -> None:
     """One process of a gloo run: 1 thread, its shard of the micro-batches, step times to ``out`` (rank 0)."""
     import torch.distributed as dist
@@ -52,14 +66,7 @@ def _rank_worker(rank: int, world: int, init_file: str, workload: str, steps: in
 
         w = WORKLOADS[workload]
         v = build_variant("prism", w, w.load(), shard=(rank, world))
-        times = []
-        for i in range(warmup + steps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            v.step()
-            dt = time.perf_counter() - t0
-            if i >= warmup:
-                times.append(dt)
+        times = _timed(v.step, steps, warmup, before=dist.barrier)
         dist.barrier()
         if rank == 0:
             Path(out).write_text(json.dumps({"times_s": times, "mechanism_s": v.mechanism.seconds}))
@@ -73,13 +80,7 @@ def _one_process(workload: str, steps: int, warmup: int, threads: int) -> List[f
     torch.set_num_threads(threads)
     w = WORKLOADS[workload]
     v = build_variant("prism", w, w.load())
-    times = []
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        v.step()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return times
+    return _timed(v.step, steps, warmup)
 
 
 def _two_processes(workload: str, steps: int, warmup: int) -> List[float]:
