@@ -133,7 +133,7 @@ def test_started_layers_compute_W0_x_plus_the_update_on_dropped_inputs(arch):
 def test_started_model_with_dropout_exports_the_trained_function(tmp_path):
     """Train mode, dropout 0.5, float64: the started model computes the model it started from (step 0); after a
     move of every Z, the exported rank-2r adapter loaded by stock PEFT on the original base computes the trained
-    model's function in train mode (same dropout masks) and in eval mode."""
+    model's function in train mode (same dropout masks) and in eval mode, and so does PEFT's merge."""
     from peft import PeftModel
 
     model = tiny_bert_cls(seed=2, dropout=0.5).double().train()
@@ -156,8 +156,16 @@ def test_started_model_with_dropout_exports_the_trained_function(tmp_path):
                                rtol=0, atol=1e-6)
     model.eval()
     with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
-                                   exported.eval()(input_ids=ids, attention_mask=mask).logits, rtol=0, atol=1e-6)
+        trained = model(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(trained, exported.eval()(input_ids=ids, attention_mask=mask).logits,
+                                   rtol=0, atol=1e-6)
+        # PEFT's own merge puts W0 + Z - Z0 into the base (get_delta_weight is Z - Z0 here), and unmerge undoes it
+        model.merge_adapter()
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, trained, rtol=0, atol=1e-10)
+        model.unmerge_adapter()
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, trained, rtol=0, atol=1e-10)
+        merged = model.merge_and_unload()
+        torch.testing.assert_close(merged(input_ids=ids, attention_mask=mask).logits, trained, rtol=0, atol=1e-10)
 
 
 def test_removing_the_compensation_restores_the_plain_start():

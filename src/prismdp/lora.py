@@ -287,6 +287,25 @@ class _StartedLoraB(nn.Linear):
         return _StartedCombine.apply(h, low, self.weight, self.start_c0)
 
 
+class _DeltaMinusStart:
+    """``layer.get_delta_weight`` of a started pair with LoRA dropout: PEFT's ``s W_B W_A`` minus ``Z0``, what the
+    layer adds to its base weight ``W0``, so that PEFT's ``merge()`` / ``unmerge()`` / ``merge_and_unload()`` put
+    ``W0 + Z - Z0`` into the base as they put ``W0 - Z0 + Z`` there without dropout."""
+
+    def __init__(self, pair: LoraPair):
+        self.pair = pair
+
+    def __call__(self, adapter: str) -> Tensor:
+        layer = self.pair.layer
+        delta = type(layer).get_delta_weight(layer, adapter)
+        if adapter != self.pair.adapter:
+            return delta
+        z0 = (-self.pair.scaling * self.pair.lora_B.start_c0) @ self.pair.lora_A.start_b0t  # A0 B0^T, (m, n)
+        if getattr(layer, "fan_in_fan_out", False):
+            z0 = z0.T
+        return delta - z0.to(delta.dtype)
+
+
 class StartDropoutCompensation:
     """Keeps LoRA dropout off ``Z0`` (see the module docstring) for the started pairs whose dropout is active: their
     base weight keeps ``W0`` and their LoRA branch computes ``(Z - Z0) drop(x)`` itself, so the layer is
@@ -298,8 +317,8 @@ class StartDropoutCompensation:
     ``lora_B`` computes ``[h, B0^T drop(x)] [W_B, -A0/s]^T``: two products of width 2r in place of the LoRA branch's
     two of width r, the flops any exact form spends.
 
-    The pairs' base weights must still hold ``W0`` (:func:`move_to_rank_r_start` leaves them so).  PEFT's
-    ``merge()`` would add ``Z`` to such a base, not ``Z - Z0``: export with :func:`prismdp.export.export_adapter`.
+    The pairs' base weights must still hold ``W0`` (:func:`move_to_rank_r_start` leaves them so).  The layer's
+    ``get_delta_weight`` returns ``Z - Z0`` (:class:`_DeltaMinusStart`), so PEFT's ``merge()`` stays right.
 
     It replaced forward hooks that added ``Z0 (x - drop(x))`` to the layer's output on top of a base holding
     ``W0 - Z0`` (an elementwise pass over x, two rank-r products forward, a read-modify-write of the output, two
@@ -329,6 +348,7 @@ class StartDropoutCompensation:
         lora_A.register_buffer("start_b0t", b0.T.to(w.device, w.dtype).contiguous(), persistent=False)
         lora_B.register_buffer("start_c0", (-a0 / pair.scaling).to(w.device, w.dtype).contiguous(), persistent=False)
         lora_A.handoff = lora_B.handoff = handoff
+        pair.layer.get_delta_weight = _DeltaMinusStart(pair)
 
     @property
     def active(self) -> bool:
@@ -344,6 +364,7 @@ class StartDropoutCompensation:
             weight, transposed = _base_weight(pair)
             W0 = weight.double() - (z0.T if transposed else z0)
             weight.copy_(W0.to(weight.dtype))
+            del pair.layer.get_delta_weight
             for module, buffer in ((lora_A, "start_b0t"), (lora_B, "start_c0")):
                 delattr(module, buffer)
                 del module.handoff
