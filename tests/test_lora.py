@@ -344,3 +344,30 @@ def test_balance_is_gauge_free():
     # balanced factors of the same Z agree up to an orthogonal rotation: compare the invariants
     torch.testing.assert_close(A1 @ B1.T, A2 @ B2.T)
     torch.testing.assert_close(A1 @ A1.T, A2 @ A2.T)
+
+
+def test_started_branch_computes_in_float32_under_bf16_autocast():
+    """The HF Trainer's ``bf16=True`` runs the forward under ``torch.autocast``: the started pairs' branch (LoRA
+    dropout 0.5) still computes in its float32 factors (its backward, which autocast does not reach, used to mix bf16
+    and float32), and the per-example gradients stay float32 and near the float32 run's."""
+    from prismdp.grad_sample import GradSampler
+    from prismdp.losses import classification_losses
+
+    model = tiny_bert_cls(seed=2, dropout=0.5).train()
+    pairs = find_lora_pairs(model)
+    move_to_rank_r_start(pairs)
+    _move_factors(pairs)
+    sampler = GradSampler(model, pairs)
+    ids, mask = padded_batch([7, 4, 9])
+    got = []
+    for autocast in (False, True):
+        torch.manual_seed(5)
+        with sampler.record() as rec:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # the forward only, as the Trainer
+                logits = model(input_ids=ids, attention_mask=mask).logits
+            classification_losses(logits.float(), torch.tensor([0, 1, 1])).sum().backward()
+        model.zero_grad(set_to_none=True)
+        got.append(torch.cat([t.flatten(1) for pair in sampler.grads(rec).lora for t in pair], 1))
+    assert got[1].dtype == torch.float32
+    err = (got[1] - got[0]).norm(dim=1) / got[0].norm(dim=1)
+    assert float(err.max()) < 0.05, err
