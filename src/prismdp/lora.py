@@ -385,8 +385,8 @@ class StartDropoutCompensation:
             lora_A, lora_B = pair.lora_A, pair.lora_B
             z0 = (-pair.scaling * lora_B.start_c0.double()) @ lora_A.start_b0t.double()  # A0 B0^T, (m, n)
             weight, transposed = _base_weight(pair)
-            W0 = weight.double() - (z0.T if transposed else z0)
-            weight.copy_(W0.to(weight.dtype))
+            moved = weight.double() - (z0.T if transposed else z0)  # W0 - Z0
+            weight.copy_(moved.to(weight.dtype))
             del pair.layer.get_delta_weight
             for module, buffer in ((lora_A, "start_b0t"), (lora_B, "start_c0")):
                 delattr(module, buffer)
