@@ -7,8 +7,9 @@ Variants (:func:`available_variants`; the default run is :data:`VARIANTS`):
 * ``lora-adamw``      non-private LoRA: PEFT + ``torch.optim.AdamW``, mean loss, gradient accumulation.
 * every method registered in :data:`prismdp.engine.METHODS` (``make_private(method=...)``), e.g. ``dp-adamw``
                       (prismdp's factor-space DP-AdamW) and ``prism``.
-* ``prism-no-dropout-comp`` (opt-in ablation, not in the default run) PRISM without the hooks that keep LoRA
-                      dropout off the rank-r start (``prismdp.lora.StartDropoutCompensation``): their cost.
+* ``prism-no-dropout-comp`` (opt-in ablation, not in the default run) PRISM without what keeps LoRA dropout off the
+                      rank-r start (``prismdp.lora.StartDropoutCompensation``, removed: plain LoRA on a base holding
+                      ``W0 - Z0``, not exact in train mode): its cost.
 * ``prism-secure``, ``dp-adamw-secure`` (opt-in) the same with ``secure_noise=True``: noise and Poisson
                       inclusions from OS-keyed ChaCha20, noise as Holohan-Braghin sums of four normals
                       (:mod:`prismdp.privacy.secure`).

@@ -24,14 +24,14 @@ def tiny_bert_cls(num_labels: int = 2, r: int = 4, targets=("query", "value"), d
     return get_peft_model(base, lcfg)
 
 
-def tiny_llama(r: int = 4, targets=("q_proj", "v_proj", "up_proj", "down_proj"), seed: int = 0):
+def tiny_llama(r: int = 4, targets=("q_proj", "v_proj", "up_proj", "down_proj"), seed: int = 0, dropout: float = 0.0):
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
     )
     base = LlamaForCausalLM(cfg).eval()
-    lcfg = LoraConfig(r=r, lora_alpha=r, lora_dropout=0.0, target_modules=list(targets), task_type="CAUSAL_LM")
+    lcfg = LoraConfig(r=r, lora_alpha=r, lora_dropout=dropout, target_modules=list(targets), task_type="CAUSAL_LM")
     return get_peft_model(base, lcfg)
 
 
@@ -62,9 +62,9 @@ class TinyNet(torch.nn.Module):
         return self.head(self.proj3(torch.tanh(self.proj2(torch.tanh(self.proj(x)))))).mean(1)
 
 
-def tiny_net(r=2, seed=0, head=True, dtype=torch.float32):
+def tiny_net(r=2, seed=0, head=True, dtype=torch.float32, dropout=0.0):
     torch.manual_seed(seed)
-    cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=["proj", "proj2", "proj3"],
+    cfg = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=dropout, target_modules=["proj", "proj2", "proj3"],
                      modules_to_save=["head"] if head else None)
     return get_peft_model(TinyNet().to(dtype), cfg)
 

@@ -177,14 +177,16 @@ def test_dense_lr_gives_the_head_its_own_learning_rate(method, dp):
     assert moved > 0.05  # an lr-1e-3 Adam-type step moves each coordinate by ~1e-3 at most
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
-@pytest.mark.parametrize("dp", [True, False])
-def test_state_dict_resumes_every_method_exactly(method, dp):
+@pytest.mark.parametrize("method, dp, dropout, rank_r_start", [
+    *[(m, dp, 0.0, None) for m in sorted(METHODS) for dp in (True, False)],
+    # LoRA dropout on the rank-r start: the started pairs' LoRA branches subtract Z0 (prismdp.lora)
+    ("prism", True, 0.3, None), ("dp-adamw", True, 0.3, True), ("ffa", True, 0.3, True)])
+def test_state_dict_resumes_every_method_exactly(method, dp, dropout, rank_r_start):
     """3 steps, PrivateLoRA.state_dict(), a fresh run loads it and takes 3 more: bitwise the 6-step run (noise
     generator, Adam/PRISM state, sampler, budget and dropout RNG all restored)."""
     X, Y = net_batch(64, seed=1)
     kw = dict(method=method, lr=1e-2, dataset_size=64, batch_size=8, steps=6, seed=3,
-              target_epsilon=4.0 if dp else None)
+              target_epsilon=4.0 if dp else None, rank_r_start=rank_r_start)
 
     def run(private, model, steps):
         for _, batch in zip(range(steps), private.batches()):
@@ -192,14 +194,16 @@ def test_state_dict_resumes_every_method_exactly(method, dp):
                 private.backward(classification_losses(model(X[mb]), Y[mb]))
             private.step()
 
-    model = tiny_net(seed=0)
+    model = tiny_net(seed=0, dropout=dropout)
     full = make_private(model, **kw)
     run(full, model, 6)
-    model_a = tiny_net(seed=0)
+    model_a = tiny_net(seed=0, dropout=dropout)
     first = make_private(model_a, **kw)
     run(first, model_a, 3)
     state = first.state_dict()
-    model_b = tiny_net(seed=0)
+    if first.start is not None:
+        assert first.start.dropout_compensation.active == (dropout > 0)
+    model_b = tiny_net(seed=0, dropout=dropout)
     second = make_private(model_b, **kw)
     second.load_state_dict(state)
     run(second, model_b, 3)

@@ -228,14 +228,17 @@ def test_packaged_minilm_per_example_equals_loop():
 
 @pytest.mark.parametrize("arch", ["encoder", "decoder"])
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_gradient_checkpointing_gives_identical_per_example_gradients(arch, reentrant):
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_gradient_checkpointing_gives_identical_per_example_gradients(arch, reentrant, dropout):
     """transformers' gradient checkpointing recomputes each block in the backward pass (re-entrant: the first forward
     runs without grad; non-re-entrant: the recomputation only refills saved tensors): the per-example gradients are
-    the same as without it (float64), nothing is counted twice and nothing is missed."""
+    the same as without it (float64), nothing is counted twice and nothing is missed; with LoRA dropout too, where
+    the started pairs' lora_A hands B0^T drop(x) to their lora_B in every (re)computation."""
     results = []
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        model = (tiny_bert_cls(targets=("query", "value", "dense")) if arch == "encoder" else tiny_llama()).double()
+        model = (tiny_bert_cls(targets=("query", "value", "dense"), dropout=dropout) if arch == "encoder"
+                 else tiny_llama(dropout=dropout)).double()
         pairs = find_lora_pairs(model)
         move_to_rank_r_start(pairs)
         if checkpointing:
@@ -245,6 +248,7 @@ def test_gradient_checkpointing_gives_identical_per_example_gradients(arch, reen
         model.train()
         sampler = GradSampler(model, pairs)
         ids, mask = padded_batch([6, 11, 4], vocab=100)
+        torch.manual_seed(1)  # the same dropout masks with and without checkpointing
         if arch == "encoder":
             labels, loss_fn = torch.tensor([0, 1, 1]), classification_losses
         else:

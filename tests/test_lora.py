@@ -2,14 +2,15 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from transformers import BertConfig, BertForSequenceClassification
 
 from helpers import padded_batch, tiny_bert_cls, tiny_llama
 from prismdp import geometry
 from prismdp.export import export_adapter
-from prismdp.lora import (LoraSetupError, StartDropoutCompensation, find_lora_pairs, get_factors, set_factors,
-                          move_to_rank_r_start)
+from prismdp.lora import (LoraSetupError, find_lora_pairs, freeze_lora_A, get_factors, move_to_rank_r_start,
+                          set_factors)
 from prismdp.optim import PRISM
 
 
@@ -56,9 +57,83 @@ def _train_logits(model, ids, mask, seed=5):
         return model(input_ids=ids, attention_mask=mask).logits
 
 
-def test_lora_dropout_acts_on_the_update_only_after_the_rank_r_start(tmp_path):
-    """Train mode, dropout 0.5: the started model computes W0 x + (Z - Z0) drop(x), as ordinary LoRA and the
-    exported adapter on the original base do, not (W0 - Z0) x + Z drop(x)."""
+def _move_factors(pairs, seed=1, step=0.3):
+    """Move every Z away from Z0, as training does."""
+    g = torch.Generator().manual_seed(seed)
+    for pair in pairs:
+        A, B = get_factors(pair, torch.float64)
+        set_factors(pair, A + step * torch.randn(A.shape, generator=g, dtype=A.dtype),
+                    B + step * torch.randn(B.shape, generator=g, dtype=B.dtype))
+
+
+def _base_weights(pairs):
+    return [pair.layer.get_base_layer().weight.detach().clone() for pair in pairs]
+
+
+def _delta(pair):
+    """s W_B W_A, float64 (m, n)."""
+    return pair.scaling * pair.lora_B.weight.detach().double() @ pair.lora_A.weight.detach().double()
+
+
+def _layer_io(model, pairs, run):
+    """Per pair, the layer's input x, its LoRA dropout's output drop(x) and the layer's output y during ``run()``."""
+    seen = [{} for _ in pairs]
+    handles = []
+    for k, pair in enumerate(pairs):
+        def layer_hook(module, args, output, k=k):
+            seen[k].update(x=args[0].detach(), y=output.detach())
+
+        def drop_hook(module, args, output, k=k):
+            seen[k]["xd"] = output.detach()
+
+        handles += [pair.layer.register_forward_hook(layer_hook),
+                    pair.layer.lora_dropout[pair.adapter].register_forward_hook(drop_hook)]
+    run()
+    for h in handles:
+        h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("arch", ["encoder", "decoder"])
+def test_started_layers_compute_W0_x_plus_the_update_on_dropped_inputs(arch):
+    """Float64, LoRA dropout 0.5, after a non-zero move of every Z: in train mode each started layer outputs exactly
+    ``W0 x + b + (Z - Z0) drop(x)`` with the mask of that forward pass (not ``(W0 - Z0) x + Z drop(x)``, which
+    differs by ``Z0 (x - drop(x))``), in eval mode ``(W0 + Z - Z0) x + b``; the base keeps W0 bit for bit.
+    Fails without the compensation (checked by hand: with ``_StartedLoraB`` returning ``W_B h`` alone, and with the
+    uncompensated start on a base holding W0 - Z0, the outputs differ by up to 0.4)."""
+    model = (tiny_bert_cls(seed=2, dropout=0.5, targets=("query", "value", "dense")) if arch == "encoder"
+             else tiny_llama(seed=2, dropout=0.5)).double().train()
+    ids, mask = padded_batch([7, 4, 9], vocab=100)
+    pairs = find_lora_pairs(model)
+    W0 = _base_weights(pairs)
+    move_to_rank_r_start(pairs)
+    Z0 = [_delta(pair) for pair in pairs]
+    _move_factors(pairs)
+    for pair, w in zip(pairs, W0):
+        assert torch.equal(pair.layer.get_base_layer().weight, w)
+
+    def run():
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+
+    for training in (True, False):
+        model.train(training)
+        for pair, w, z0, io in zip(pairs, W0, Z0, _layer_io(model, pairs, run)):
+            base = pair.layer.get_base_layer()
+            x, xd, y = io["x"], io.get("xd", io["x"]), io["y"]
+            update = _delta(pair) - z0
+            assert float(update.abs().max()) > 0.1
+            if training:
+                assert float((xd - x).abs().max()) > 0.1  # the mask dropped something
+                assert float((F.linear(x - xd, z0)).abs().max()) > 1e-3  # what the compensation is worth here
+            want = F.linear(x, w, base.bias) + F.linear(xd, update)
+            torch.testing.assert_close(y, want, rtol=0, atol=1e-12)
+
+
+def test_started_model_with_dropout_exports_the_trained_function(tmp_path):
+    """Train mode, dropout 0.5, float64: the started model computes the model it started from (step 0); after a
+    move of every Z, the exported rank-2r adapter loaded by stock PEFT on the original base computes the trained
+    model's function in train mode (same dropout masks) and in eval mode, and so does PEFT's merge."""
     from peft import PeftModel
 
     model = tiny_bert_cls(seed=2, dropout=0.5).double().train()
@@ -71,28 +146,55 @@ def test_lora_dropout_acts_on_the_update_only_after_the_rank_r_start(tmp_path):
     start = move_to_rank_r_start(pairs)
     assert start.dropout_compensation.active
     torch.testing.assert_close(_train_logits(model, ids, mask), before, rtol=0, atol=1e-10)
-    start.dropout_compensation.remove()  # the test has power: uncompensated, dropout hits Z0 x
-    assert (_train_logits(model, ids, mask) - before).abs().max() > 1e-6  # vs < 1e-10 compensated
-    start.dropout_compensation = StartDropoutCompensation(pairs, start.factors)
+    assert set(model.state_dict()) == set(original.state_dict())  # the start adds no state-dict keys
 
-    g = torch.Generator().manual_seed(0)
-    for pair in pairs:  # move Z away from Z0, as training does
-        A, B = get_factors(pair, torch.float64)
-        set_factors(pair, A + 0.3 * torch.randn(A.shape, generator=g, dtype=A.dtype),
-                    B + 0.3 * torch.randn(B.shape, generator=g, dtype=B.dtype))
+    _move_factors(pairs, seed=0)
     export_adapter(model, pairs, start, tmp_path / "adapter")
     exported = PeftModel.from_pretrained(original.unload(), tmp_path / "adapter").double().train()
+    # up to the float32 record of A0 and B0 that the export reads
     torch.testing.assert_close(_train_logits(model, ids, mask), _train_logits(exported, ids, mask),
-                               rtol=0, atol=1e-5)
-    model.eval()  # eval mode: nothing is added (dropout is the identity)
+                               rtol=0, atol=1e-6)
+    model.eval()
     with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
-                                   exported.eval()(input_ids=ids, attention_mask=mask).logits, rtol=0, atol=1e-5)
+        trained = model(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(trained, exported.eval()(input_ids=ids, attention_mask=mask).logits,
+                                   rtol=0, atol=1e-6)
+        # PEFT's own merge puts W0 + Z - Z0 into the base (get_delta_weight is Z - Z0 here), and unmerge undoes it
+        model.merge_adapter()
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, trained, rtol=0, atol=1e-10)
+        model.unmerge_adapter()
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, trained, rtol=0, atol=1e-10)
+        merged = model.merge_and_unload()
+        torch.testing.assert_close(merged(input_ids=ids, attention_mask=mask).logits, trained, rtol=0, atol=1e-10)
+
+
+def test_removing_the_compensation_restores_the_plain_start():
+    """``dropout_compensation.remove()`` (the benchmarks' ablation): plain PEFT modules on a base holding W0 - Z0,
+    the same eval-mode model, but train-mode dropout now also hits Z0 x."""
+    model = tiny_bert_cls(seed=2, dropout=0.5).double()
+    ids, mask = padded_batch([7, 4, 9])
+    pairs = find_lora_pairs(model)
+    W0 = _base_weights(pairs)
+    start = move_to_rank_r_start(pairs)
+    _move_factors(pairs)
+    model.train()
+    train_before = _train_logits(model, ids, mask)
+    model.eval()
+    eval_before = _train_logits(model, ids, mask)
+    start.dropout_compensation.remove()
+    assert not start.dropout_compensation.active
+    for pair, w, (a0, b0) in zip(pairs, W0, start.factors):
+        assert type(pair.lora_A) is torch.nn.Linear and type(pair.lora_B) is torch.nn.Linear
+        torch.testing.assert_close(pair.layer.get_base_layer().weight, w - (a0 @ b0.T).double(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(_train_logits(model, ids, mask), eval_before, rtol=0, atol=1e-10)
+    model.train()
+    assert float((_train_logits(model, ids, mask) - train_before).abs().max()) > 1e-6  # vs < 1e-10 above
 
 
 class _UnfusedCompensation:
-    """The reference: ``Z0 (x - drop(x))`` added by autograd-recorded tensor operations (pre-hook on lora_A keeps
-    drop(x), a forward hook on the layer adds ``((x - drop(x)) B0) A0^T``), as the first implementation did."""
+    """The reference: the first implementation on a base holding ``W0 - Z0``: ``Z0 (x - drop(x))`` added by
+    autograd-recorded tensor operations (pre-hook on lora_A keeps drop(x), a forward hook on the layer adds
+    ``((x - drop(x)) B0) A0^T``)."""
 
     def __init__(self, pairs, factors):
         self.handles = []
@@ -113,19 +215,6 @@ class _UnfusedCompensation:
             h.remove()
 
 
-def _moved_train_model(seed=2):
-    """A float64 tiny BERT in train mode (LoRA dropout 0.5) on its rank-r start, with Z moved away from Z0."""
-    model = tiny_bert_cls(seed=seed, dropout=0.5).double().train()
-    pairs = find_lora_pairs(model)
-    start = move_to_rank_r_start(pairs)
-    g = torch.Generator().manual_seed(1)
-    for pair in pairs:
-        A, B = get_factors(pair, torch.float64)
-        set_factors(pair, A + 0.3 * torch.randn(A.shape, generator=g, dtype=A.dtype),
-                    B + 0.3 * torch.randn(B.shape, generator=g, dtype=B.dtype))
-    return model, pairs, start
-
-
 def _losses_and_grads(model, pairs, ids, mask, labels, seed=5):
     from prismdp.grad_sample import GradSampler
     from prismdp.losses import classification_losses
@@ -135,42 +224,58 @@ def _losses_and_grads(model, pairs, ids, mask, labels, seed=5):
     with sampler.record() as rec:
         losses = classification_losses(model(input_ids=ids, attention_mask=mask).logits, labels)
         losses.sum().backward()
-    grads = [(p.lora_B.weight.grad.clone(), p.lora_A.weight.grad.clone()) for p in pairs]
+    grads = [tuple(p.grad.clone() for p in pair.trained_params) for pair in pairs]
     model.zero_grad(set_to_none=True)
     sampler.close()
     return losses.detach(), grads, sampler.grads(rec)
 
 
-def test_fused_compensation_equals_the_unfused_one_with_gradients_and_per_example_gradients():
-    """Float64, train mode, dropout 0.5, a second layer whose input depends on the first layer's factors (so the
-    backward's gradient with respect to x and drop(x) is exercised): losses, summed factor gradients and the
-    gradient sampler's per-example gradients of the fused compensation equal the unfused reference's."""
-    model, pairs, start = _moved_train_model()
+@pytest.mark.parametrize("trainable", ["both", "B"])
+def test_compensated_branch_gives_the_gradients_of_the_hook_reference(trainable):
+    """Float64, train mode, dropout 0.5, every Z moved, a second layer whose input depends on the first layer's
+    factors (so gradients flow through x and drop(x)): losses, summed factor gradients and the gradient sampler's
+    per-example gradients of the started model equal those of the reference (base W0 - Z0, plain LoRA, hooks adding
+    Z0 (x - drop(x)) by autograd); ``trainable="B"``: lora_A frozen (FFA-LoRA from the rank-r start)."""
+    model = tiny_bert_cls(seed=2, dropout=0.5).double().train()
+    if trainable == "B":
+        freeze_lora_A(model)
+    pairs = find_lora_pairs(model, trainable=trainable)
+    start = move_to_rank_r_start(pairs)
+    _move_factors(pairs)
     ids, mask = padded_batch([7, 4, 9])
     labels = torch.tensor([0, 1, 1])
     fused = _losses_and_grads(model, pairs, ids, mask, labels)
+    z0 = [(-pair.scaling * pair.lora_B.start_c0, pair.lora_A.start_b0t.T) for pair in pairs]  # float64 (A0, B0)
     start.dropout_compensation.remove()
     none = _losses_and_grads(model, pairs, ids, mask, labels)
-    reference = _UnfusedCompensation(pairs, start.factors)
+    reference = _UnfusedCompensation(pairs, z0)
     unfused = _losses_and_grads(model, pairs, ids, mask, labels)
     reference.remove()
     assert (fused[0] - none[0]).abs().max() > 1e-6  # the compensation matters at this dropout
     torch.testing.assert_close(fused[0], unfused[0], rtol=0, atol=1e-12)
-    for (gb, ga), (rb, ra), (nb, na) in zip(fused[1], unfused[1], none[1]):
-        torch.testing.assert_close(gb, rb, rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(ga, ra, rtol=1e-10, atol=1e-12)
-    assert max((ga - na).abs().max() for (_, ga), (_, na) in zip(fused[1], none[1])) > 1e-6
+    for got, ref in zip(fused[1], unfused[1]):
+        for g, r in zip(got, ref, strict=True):
+            torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+    assert max((g[0] - n[0]).abs().max() for g, n in zip(fused[1], none[1])) > 1e-6
     pe_fused, pe_ref = fused[2], unfused[2]
     for k in range(len(pairs)):
-        for part in (0, 1):
+        for part in (0, 1) if trainable == "both" else (0,):
             torch.testing.assert_close(pe_fused.lora[k][part], pe_ref.lora[k][part], rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(pe_fused.lora[k][0].sum(0), fused[1][k][0], rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(pe_fused.lora[k][1].sum(0), fused[1][k][1].T, rtol=1e-10, atol=1e-12)
+        if trainable == "both":
+            torch.testing.assert_close(pe_fused.lora[k][1].sum(0), fused[1][k][1].T, rtol=1e-10, atol=1e-12)
 
 
-def test_no_compensation_hooks_without_dropout():
+def test_no_compensation_without_dropout():
+    """Dropout 0: the base holds W0 - Z0 and the LoRA modules stay plain."""
     model = tiny_bert_cls(dropout=0.0)
-    assert not move_to_rank_r_start(find_lora_pairs(model)).dropout_compensation.active
+    pairs = find_lora_pairs(model)
+    W0 = _base_weights(pairs)
+    start = move_to_rank_r_start(pairs)
+    assert not start.dropout_compensation.active
+    for pair, w, (a0, b0) in zip(pairs, W0, start.factors):
+        assert type(pair.lora_A) is torch.nn.Linear and type(pair.lora_B) is torch.nn.Linear
+        torch.testing.assert_close(pair.layer.get_base_layer().weight, w - a0 @ b0.T, rtol=0, atol=1e-6)
 
 
 def test_spectral_start_is_top_r_part_of_base_weight():
@@ -239,3 +344,30 @@ def test_balance_is_gauge_free():
     # balanced factors of the same Z agree up to an orthogonal rotation: compare the invariants
     torch.testing.assert_close(A1 @ B1.T, A2 @ B2.T)
     torch.testing.assert_close(A1 @ A1.T, A2 @ A2.T)
+
+
+def test_started_branch_computes_in_float32_under_bf16_autocast():
+    """The HF Trainer's ``bf16=True`` runs the forward under ``torch.autocast``: the started pairs' branch (LoRA
+    dropout 0.5) still computes in its float32 factors (its backward, which autocast does not reach, used to mix bf16
+    and float32), and the per-example gradients stay float32 and near the float32 run's."""
+    from prismdp.grad_sample import GradSampler
+    from prismdp.losses import classification_losses
+
+    model = tiny_bert_cls(seed=2, dropout=0.5).train()
+    pairs = find_lora_pairs(model)
+    move_to_rank_r_start(pairs)
+    _move_factors(pairs)
+    sampler = GradSampler(model, pairs)
+    ids, mask = padded_batch([7, 4, 9])
+    got = []
+    for autocast in (False, True):
+        torch.manual_seed(5)
+        with sampler.record() as rec:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # the forward only, as the Trainer
+                logits = model(input_ids=ids, attention_mask=mask).logits
+            classification_losses(logits.float(), torch.tensor([0, 1, 1])).sum().backward()
+        model.zero_grad(set_to_none=True)
+        got.append(torch.cat([t.flatten(1) for pair in sampler.grads(rec).lora for t in pair], 1))
+    assert got[1].dtype == torch.float32
+    err = (got[1] - got[0]).norm(dim=1) / got[0].norm(dim=1)
+    assert float(err.max()) < 0.05, err

@@ -14,18 +14,20 @@ LoRA dropout: PEFT computes ``W0' x + Z drop(x)``.  With ``W0' = W0 - Z0`` that 
 a slice of the pretrained weight (its top-r part with the spectral start) rather than of the learned update, and the
 train-mode model would not be the model being fine-tuned (measured on SmolLM2-135M, dropout 0.05 on
 q/k/v/up/down: the first-batch loss rises from 1.79 to 2.19 and PRISM's training loss swings up to 4.2).
-:func:`move_to_rank_r_start` therefore adds ``Z0 (x - drop(x))`` to each layer's train-mode output
-(:class:`StartDropoutCompensation`), so the layer computes ``W0 x + (Z - Z0) drop(x)``: ordinary LoRA dropout on the
-update, which is also what the exported rank-2r adapter computes on the original base.
+For layers with LoRA dropout :func:`move_to_rank_r_start` therefore leaves ``W0`` in the base and lets the LoRA
+branch subtract ``Z0`` itself (:class:`StartDropoutCompensation`), so the layer computes ``W0 x + (Z - Z0) drop(x)``:
+ordinary LoRA dropout on the update, which is also what the exported rank-2r adapter computes on the original base.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from . import geometry
 
@@ -194,6 +196,11 @@ def _base_weight(pair: LoraPair) -> tuple[Tensor, bool]:
     return base.weight, bool(getattr(pair.layer, "fan_in_fan_out", False))
 
 
+def _dropout_active(pair: LoraPair) -> bool:
+    drop = pair.layer.lora_dropout[pair.adapter]
+    return isinstance(drop, nn.Dropout) and drop.p > 0
+
+
 def _top_svd(W: Tensor, r: int) -> tuple[Tensor, Tensor, Tensor]:
     """Top-r singular triplets (U (m, r), S (r,), V (n, r)); randomized for large matrices."""
     if min(W.shape) <= 1024:
@@ -203,83 +210,196 @@ def _top_svd(W: Tensor, r: int) -> tuple[Tensor, Tensor, Tensor]:
     return U[:, :r], S[:r], V[:, :r]
 
 
-class _Compensate(torch.autograd.Function):
-    """``out + Z0 (x - xd)`` with ``Z0 = a0t^T b0t`` (``a0t`` (r, m), ``b0t`` (r, n), both contiguous) as one autograd
-    node.  The thin products read the factors in nn.Linear's layout (``x @ b0t^T``): with ``b0`` stored (n, r) instead,
-    ``x @ b0`` at r = 4 took 4.4x as long on this CPU (112 vs 25 us for (256, 384) @ (384, 4), one thread), and so did
-    the backward's ``g @ a0`` that autograd derived for the unfused form."""
+def _factor_precision(t: Tensor):
+    """The started branch computes in its factors' dtype (float32), autocast or not (under autocast ``F.linear`` would
+    return bf16, and the backward, which autocast does not reach, would mix dtypes).  Entered only where autocast is
+    on: the context itself cost the layer 2-3 % at W0's and W1's shapes."""
+    if torch.is_autocast_enabled(t.device.type):
+        return torch.autocast(t.device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+class _StartedProject(torch.autograd.Function):
+    """``(h, low) = (W_A xd, B0^T xd)`` from one (.., 2r) product ``xd [W_A; B0^T]^T``.  The backward takes the two
+    output gradients as one (.., 2r) product again (``dxd = [dh, dlow] [W_A; B0^T]``) and forms only ``dW_A = dh^T xd``
+    (autograd through a concatenated weight would also form the unused ``dlow^T xd``).  Autograd casts each returned
+    gradient to its input's dtype."""
 
     @staticmethod
-    def forward(ctx, out: Tensor, x: Tensor, xd: Tensor, a0t: Tensor, b0t: Tensor) -> Tensor:
-        ctx.save_for_backward(a0t, b0t)
-        low = (x - xd).reshape(-1, x.shape[-1]) @ b0t.T  # (.., r)
-        if out.dtype == a0t.dtype:
-            return torch.addmm(out.reshape(-1, out.shape[-1]), low, a0t).view(out.shape)
-        return out + (low @ a0t).view(out.shape).to(out.dtype)
+    def forward(ctx, xd: Tensor, wa: Tensor, b0t: Tensor) -> tuple[Tensor, Tensor]:
+        with _factor_precision(xd):
+            w = torch.cat([wa, b0t])  # (2r, n)
+            xd = _as(xd, w.dtype)
+            u = F.linear(xd, w)
+        ctx.save_for_backward(xd, w)
+        r = wa.shape[0]
+        h, low = u[..., :r], u[..., r:]
+        if not xd.requires_grad:  # nothing flows back through B0^T xd: its product in lora_B's backward is skipped
+            ctx.mark_non_differentiable(low)
+        return h, low
 
     @staticmethod
-    def backward(ctx, g: Tensor):
-        if not (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
-            return g, None, None, None, None
-        a0t, b0t = ctx.saved_tensors
-        low = g.reshape(-1, g.shape[-1]).to(a0t.dtype) @ a0t.T  # Z0^T g = b0t^T (a0t g)
-        gx = (low @ b0t).view(*g.shape[:-1], b0t.shape[-1])
-        return g, gx, -gx, None, None
+    def backward(ctx, dh: Tensor, dlow: Tensor):
+        xd, w = ctx.saved_tensors
+        dxd = dwa = None
+        with _factor_precision(xd):
+            dh = _as(dh, w.dtype)
+            if ctx.needs_input_grad[0]:
+                dxd = torch.cat([dh, _as(dlow, w.dtype)], -1) @ w
+            if ctx.needs_input_grad[1]:
+                dwa = dh.reshape(-1, dh.shape[-1]).T @ xd.reshape(-1, xd.shape[-1])
+        return dxd, dwa, None
+
+
+class _StartedCombine(torch.autograd.Function):
+    """``y = W_B h + C0 low`` (``C0 = -A0 / s``) as one (.., 2r) x (2r, m) product; the backward forms
+    ``[dh, dlow] = dy [W_B, C0]`` as one product (``dlow`` only where it flows on) and ``dW_B = dy^T h``."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, low: Tensor, wb: Tensor, c0: Tensor) -> Tensor:
+        with _factor_precision(h):
+            w = torch.cat([wb, c0], 1)  # (m, 2r)
+            u = _as(torch.cat([h, low], -1), w.dtype)  # (.., 2r)
+            y = F.linear(u, w)
+        ctx.save_for_backward(u, w)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        u, w = ctx.saved_tensors
+        r = w.shape[1] // 2
+        dh = dlow = dwb = None
+        with _factor_precision(dy):
+            dy = _as(dy, w.dtype)
+            if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+                wt = w.T.contiguous()  # (2r, m): dy @ w in this layout took 49 instead of 113 us at (256, 384) x (384, 8)
+                if ctx.needs_input_grad[1]:
+                    du = F.linear(dy, wt)
+                    dh, dlow = du[..., :r], du[..., r:]
+                else:  # B0^T drop(x) needs no gradient (e.g. the first layer, below nothing trainable)
+                    dh = F.linear(dy, wt[:r])
+            if ctx.needs_input_grad[2]:
+                dwb = dy.reshape(-1, dy.shape[-1]).T @ u[..., :r].reshape(-1, r)
+        return dh, dlow, dwb, None
+
+
+class _StartedLoraA(nn.Linear):
+    """``lora_A`` of a started pair with LoRA dropout: returns ``h = W_A drop(x)`` as before and hands
+    ``B0^T drop(x)``, computed in the same product, to its ``lora_B`` (:class:`_StartedLoraB`) through ``handoff``.
+    Buffer ``start_b0t`` = ``B0^T`` (r, n), not saved in state dicts."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        h, low = _StartedProject.apply(x, self.weight, self.start_b0t)
+        self.handoff[:] = [low]  # overwritten, never accumulated: a forward cut short leaves nothing behind
+        return h
+
+
+class _StartedLoraB(nn.Linear):
+    """``lora_B`` of a started pair with LoRA dropout: ``W_B h - (A0 / s) B0^T drop(x)``, so that PEFT's
+    ``scaling * lora_B(..)`` is ``(Z - Z0) drop(x)``.  Buffer ``start_c0`` = ``-A0 / s`` (m, r), not saved."""
+
+    def forward(self, h: Tensor) -> Tensor:
+        if not self.handoff:
+            raise RuntimeError("the lora_B of a started LoRA pair was called without its lora_A; prismdp's rank-r "
+                               "start with LoRA dropout needs PEFT's lora_B(lora_A(dropout(x)))")
+        low = self.handoff.pop()
+        return _StartedCombine.apply(h, low, self.weight, self.start_c0)
+
+
+class _DeltaMinusStart:
+    """``layer.get_delta_weight`` of a started pair with LoRA dropout: PEFT's ``s W_B W_A`` minus ``Z0``, what the
+    layer adds to its base weight ``W0``, so that PEFT's ``merge()`` / ``unmerge()`` / ``merge_and_unload()`` put
+    ``W0 + Z - Z0`` into the base as they put ``W0 - Z0 + Z`` there without dropout."""
+
+    def __init__(self, pair: LoraPair):
+        self.pair = pair
+
+    def __call__(self, adapter: str) -> Tensor:
+        layer = self.pair.layer
+        delta = type(layer).get_delta_weight(layer, adapter)
+        if adapter != self.pair.adapter:
+            return delta
+        z0 = (-self.pair.scaling * self.pair.lora_B.start_c0) @ self.pair.lora_A.start_b0t  # A0 B0^T, (m, n)
+        if getattr(layer, "fan_in_fan_out", False):
+            z0 = z0.T
+        return delta - z0.to(delta.dtype)
 
 
 class StartDropoutCompensation:
-    """Forward hooks that keep LoRA dropout off ``Z0`` (see the module docstring): in train mode each layer with
-    an active dropout gets ``Z0 (x - drop(x))`` added to its output, where ``x`` and ``drop(x)`` are the input and
-    output of the layer's LoRA dropout.  Nothing is added in eval mode, with dropout 0, or when the adapter is
-    disabled or merged (the LoRA branch, and with it the dropout, does not run).
+    """Keeps LoRA dropout off ``Z0`` (see the module docstring) for the started pairs whose dropout is active: their
+    base weight keeps ``W0`` and their LoRA branch computes ``(Z - Z0) drop(x)`` itself, so the layer is
+    ``W0 x + (Z - Z0) drop(x)`` in train mode and ``(W0 + Z - Z0) x`` in eval mode, exactly (no separate
+    ``Z0 (x - drop(x))`` term).  ``lora_A`` and ``lora_B`` of such a pair become :class:`_StartedLoraA` and
+    :class:`_StartedLoraB` *in place* (their class is switched): the same module objects, parameters, state-dict
+    keys and hooks, so the gradient sampler's taps still see ``drop(x)``, ``h = W_A drop(x)`` and the gradient at
+    ``lora_B``'s output.  ``lora_A`` computes ``u = drop(x) [W_A; B0^T]^T`` (.., 2r) and returns its first r columns;
+    ``lora_B`` computes ``[h, B0^T drop(x)] [W_B, -A0/s]^T``: two products of width 2r in place of the LoRA branch's
+    two of width r, the flops any exact form spends.
 
-    One hook on the dropout keeps ``(x, drop(x))``; one on the layer adds the compensation through
-    :class:`_Compensate`, one autograd node whose products read the start factors in the fast layout.  Measured on one
-    PEFT layer (forward + backward with the gradient sampler's taps, one thread): at W0's shape (384 -> 384, r 4,
-    8 x 32 tokens) the compensation's share of the layer's time fell from 16.9 % (autograd-recorded
-    ``(x - drop(x)) @ B0`` then ``addmm``) to 9.6 %; at W2's up_proj (576 -> 1536, r 16, 4 x 128 tokens) it stays
-    ~7 %: there the two rank-r products cost what the LoRA branch's own do, flops any exact form must spend."""
+    The pairs' base weights must still hold ``W0`` (:func:`move_to_rank_r_start` leaves them so).  The layer's
+    ``get_delta_weight`` returns ``Z - Z0`` (:class:`_DeltaMinusStart`), so PEFT's ``merge()`` stays right.
+
+    It replaced forward hooks that added ``Z0 (x - drop(x))`` to the layer's output on top of a base holding
+    ``W0 - Z0`` (an elementwise pass over x, two rank-r products forward, a read-modify-write of the output, two
+    products and two gradient accumulations over x backward).  Measured on one PEFT layer (forward + backward with the
+    gradient sampler's taps, one thread, ``python -m bench.compensation``, three runs each on a shared machine), the
+    layer's time over the same layer without compensation went from 1.11-1.14 to 1.04-1.08 at W0's shape
+    (384 -> 384, r 4, 8 x 32 tokens), from 1.135-1.14 to 1.07-1.08 at W1's (r 16, 4 x 128) and from 1.07-1.10 to
+    1.04-1.05 at W2's up_proj (576 -> 1536, r 16, 4 x 128).
+    """
 
     def __init__(self, pairs: list[LoraPair], factors: list[tuple[Tensor, Tensor]]):
-        self.handles = []
+        self.pairs: list[LoraPair] = []
         for pair, (a0, b0) in zip(pairs, factors):
-            drop = pair.layer.lora_dropout[pair.adapter]
-            if isinstance(drop, nn.Dropout) and drop.p > 0:
-                w = pair.lora_A.weight
-                a0t, b0t = (f.to(w.device, w.dtype).T.contiguous() for f in (a0, b0))  # nn.Linear's layout
-                self._attach(pair, drop, a0t, b0t)
+            if _dropout_active(pair):
+                self._attach(pair, a0, b0)
+                self.pairs.append(pair)
 
-    def _attach(self, pair: LoraPair, drop: nn.Module, a0t: Tensor, b0t: Tensor) -> None:
-        seen: list[tuple[Tensor, Tensor]] = []  # (x, drop(x)) of this forward, x already in the factors' dtype
-
-        def keep_dropout(module, args, output):
-            if module.training:
-                seen.append((args[0], output))
-
-        def compensate(module, args, output):
-            if not seen:
-                return None
-            x, xd = seen.pop()
-            seen.clear()
-            if not module.training:
-                return None
-            return _Compensate.apply(output, x, xd, a0t, b0t)
-
-        self.handles += [drop.register_forward_hook(keep_dropout), pair.layer.register_forward_hook(compensate)]
+    @staticmethod
+    def _attach(pair: LoraPair, a0: Tensor, b0: Tensor) -> None:
+        lora_A, lora_B = pair.lora_A, pair.lora_B
+        if type(lora_A) is not nn.Linear or type(lora_B) is not nn.Linear:
+            raise LoraSetupError(f"LoRA module {pair.name!r} has lora_A/lora_B of type {type(lora_A).__name__}/"
+                                 f"{type(lora_B).__name__}; prismdp's rank-r start with LoRA dropout needs "
+                                 "torch.nn.Linear (PEFT's plain LoRA)")
+        w = lora_A.weight
+        handoff: list[Tensor] = []
+        lora_A.__class__, lora_B.__class__ = _StartedLoraA, _StartedLoraB
+        lora_A.register_buffer("start_b0t", b0.T.to(w.device, w.dtype).contiguous(), persistent=False)
+        lora_B.register_buffer("start_c0", (-a0 / pair.scaling).to(w.device, w.dtype).contiguous(), persistent=False)
+        lora_A.handoff = lora_B.handoff = handoff
+        pair.layer.get_delta_weight = _DeltaMinusStart(pair)
 
     @property
     def active(self) -> bool:
-        return bool(self.handles)
+        return bool(self.pairs)
 
+    @torch.no_grad()
     def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+        """Back to plain PEFT LoRA on a base holding ``W0 - Z0``: the same model in eval mode, but in train mode the
+        dropout then also hits ``Z0 x`` (the ablation ``prism-no-dropout-comp`` of the benchmarks)."""
+        for pair in self.pairs:
+            lora_A, lora_B = pair.lora_A, pair.lora_B
+            z0 = (-pair.scaling * lora_B.start_c0.double()) @ lora_A.start_b0t.double()  # A0 B0^T, (m, n)
+            weight, transposed = _base_weight(pair)
+            moved = weight.double() - (z0.T if transposed else z0)  # W0 - Z0
+            weight.copy_(moved.to(weight.dtype))
+            del pair.layer.get_delta_weight
+            for module, buffer in ((lora_A, "start_b0t"), (lora_B, "start_c0")):
+                delattr(module, buffer)
+                del module.handoff
+                module.__class__ = nn.Linear
+        self.pairs = []
 
 
 @dataclass
 class RankRStart:
-    """The start point ``Z0 = A0 B0^T`` of every pair, moved out of the frozen base weights."""
+    """The start point ``Z0 = A0 B0^T`` of every pair, subtracted from its frozen base weight or, for pairs with
+    LoRA dropout, by its LoRA branch (``dropout_compensation``)."""
 
     factors: list[tuple[Tensor, Tensor]]  # per pair: (A0 (m, r), B0 (n, r)), float32
     dropout_compensation: StartDropoutCompensation | None = None
@@ -307,14 +427,15 @@ def move_to_rank_r_start(
 
     ``init="spectral"`` takes ``Z0`` = the top-r SVD part of ``W0`` (PiSSA-style, as the paper's code);
     ``init="random"`` takes a random rank-r ``Z0`` with all singular values ``init_scale * ||W0||_2``.
-    In both cases the factors are balanced (``A0^T A0 = B0^T B0``) and ``W0 <- W0 - Z0``, so
-    ``W0 + Z`` is unchanged at step 0 (up to float rounding of the subtraction).  Layers with LoRA dropout get a
-    :class:`StartDropoutCompensation` (``RankRStart.dropout_compensation``), so that in train mode too the model
-    computes ``W0 x + (Z - Z0) drop(x)``.
+    In both cases the factors are balanced (``A0^T A0 = B0^T B0``) and ``Z0`` is taken out of the layer again:
+    without LoRA dropout from the base weight (``W0 <- W0 - Z0``, so ``W0 + Z`` is unchanged at step 0 up to float
+    rounding of the subtraction); with LoRA dropout from the LoRA branch, which then computes ``(Z - Z0) drop(x)``
+    on the unchanged ``W0`` (:class:`StartDropoutCompensation`, ``RankRStart.dropout_compensation``), so that in
+    train mode too the model computes ``W0 x + (Z - Z0) drop(x)``.
     """
     if init not in ("spectral", "random"):
         raise ValueError(f"init must be 'spectral' or 'random', got {init!r}")
-    factors, exact = [], []  # float32 for the record, float64 for the compensation hooks
+    factors, exact = [], []  # float32 for the record, float64 for the compensated branches
     for pair in pairs:
         m, n, r = pair.shape
         weight, transposed = _base_weight(pair)
@@ -333,8 +454,9 @@ def move_to_rank_r_start(
                 "initialisation. Fix: create the adapter with init_lora_weights=True (the default), or merge the "
                 "existing adapter into the base model first (model.merge_and_unload())."
             )
-        new_W0 = W0 - A0 @ B0.T
-        weight.copy_((new_W0.T if transposed else new_W0).to(weight.dtype))
+        if not _dropout_active(pair):  # with dropout, W0 stays and the LoRA branch subtracts Z0 (see above)
+            new_W0 = W0 - A0 @ B0.T
+            weight.copy_((new_W0.T if transposed else new_W0).to(weight.dtype))
         A0, B0 = geometry.balance(A0, B0)
         set_factors(pair, A0.to(pair.lora_B.weight.dtype), B0.to(pair.lora_A.weight.dtype))
         factors.append((A0.float(), (B0.float())))
