@@ -18,7 +18,8 @@ import statistics
 import time
 
 import torch
-from torch import nn
+
+from .micro import _OneLinear  # the one-Linear model the micro-benchmarks wrap in PEFT
 
 SHAPES = {  # name: (m, n, r, batch, length)
     "W0 384->384 r4 8x32": (384, 384, 4, 8, 32),
@@ -28,15 +29,6 @@ SHAPES = {  # name: (m, n, r, batch, length)
 VARIANTS = ("comp", "no-comp", "plain")
 
 
-class _One(nn.Module):
-    def __init__(self, m: int, n: int):
-        super().__init__()
-        self.proj = nn.Linear(n, m, bias=False)
-
-    def forward(self, x):
-        return self.proj(x)
-
-
 def _layer(variant: str, m: int, n: int, r: int):
     from peft import LoraConfig, get_peft_model
 
@@ -44,7 +36,7 @@ def _layer(variant: str, m: int, n: int, r: int):
     from prismdp.lora import find_lora_pairs, move_to_rank_r_start
 
     torch.manual_seed(0)
-    model = get_peft_model(_One(m, n), LoraConfig(r=r, lora_alpha=r, lora_dropout=0.05, target_modules=["proj"]))
+    model = get_peft_model(_OneLinear(m, n), LoraConfig(r=r, lora_alpha=r, lora_dropout=0.05, target_modules=["proj"]))
     model.train()
     pairs = find_lora_pairs(model)
     sampler = GradSampler(model, pairs)
