@@ -310,6 +310,11 @@ class _StartedLoraB(nn.Linear):
         return _StartedCombine.apply(h, low, self.weight, self.start_c0)
 
 
+def _start_update(pair: LoraPair, dtype: torch.dtype) -> Tensor:
+    """``Z0 = A0 B0^T`` (m, n) of a started pair from its buffers (``start_c0 = -A0 / s``, ``start_b0t = B0^T``)."""
+    return (-pair.scaling * _as(pair.lora_B.start_c0, dtype)) @ _as(pair.lora_A.start_b0t, dtype)
+
+
 class _DeltaMinusStart:
     """``layer.get_delta_weight`` of a started pair with LoRA dropout: PEFT's ``s W_B W_A`` minus ``Z0``, what the
     layer adds to its base weight ``W0``, so that PEFT's ``merge()`` / ``unmerge()`` / ``merge_and_unload()`` put
@@ -323,7 +328,7 @@ class _DeltaMinusStart:
         delta = type(layer).get_delta_weight(layer, adapter)
         if adapter != self.pair.adapter:
             return delta
-        z0 = (-self.pair.scaling * self.pair.lora_B.start_c0) @ self.pair.lora_A.start_b0t  # A0 B0^T, (m, n)
+        z0 = _start_update(self.pair, torch.promote_types(delta.dtype, torch.float32))
         if getattr(layer, "fan_in_fan_out", False):
             z0 = z0.T
         return delta - z0.to(delta.dtype)
@@ -384,7 +389,7 @@ class StartDropoutCompensation:
         dropout then also hits ``Z0 x`` (the ablation ``prism-no-dropout-comp`` of the benchmarks)."""
         for pair in self.pairs:
             lora_A, lora_B = pair.lora_A, pair.lora_B
-            z0 = (-pair.scaling * lora_B.start_c0.double()) @ lora_A.start_b0t.double()  # A0 B0^T, (m, n)
+            z0 = _start_update(pair, torch.float64)
             weight, transposed = _base_weight(pair)
             moved = weight.double() - (z0.T if transposed else z0)  # W0 - Z0
             weight.copy_(moved.to(weight.dtype))
