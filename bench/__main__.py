@@ -1,7 +1,8 @@
 """prismdp benchmarks: ``python -m bench`` (from the repository root, in the project's .venv).
 
-Step time: every variant of :mod:`bench.workloads` on the same workload in one process, interleaved
-(A B C D A B C D ...) after warm-up rounds, ``torch.set_num_threads`` fixed; medians, paired per-round ratios, the
+Step time: every variant of :mod:`bench.workloads` on the same workload in one process, interleaved micro-batch by
+micro-batch (the first micro-batch of A B C D, the second of B C D A, ..., then the updates; ``--interleave step``:
+whole steps A B C D) after warm-up rounds, ``torch.set_num_threads`` fixed; medians, paired per-round ratios, the
 share of each private step spent inside the DP mechanism (clip + noise + update), and host synchronisations per
 step.  W0 is ``prismdp train``'s default job, its methods built by the trainer and stepped the same way
 (:mod:`bench.train_job`).  Peak memory: each variant alone in a fresh process (peak RSS of its training steps).
@@ -54,8 +55,32 @@ def _csv(s: str) -> List[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
-def time_steps(workload: str, variants: List[str], steps: int, warmup: int, log=print, clock=time.perf_counter
-               ) -> dict:
+def interleaved_round(parts: Dict[str, list], clock, interleave: str = "micro") -> Dict[str, float]:
+    """One step of every variant (``parts[name]``: its step as callables, micro-batches then update), timed with
+    ``clock``: variant after variant (``step``: A B C D) or part after part (``micro``: the first micro-batch of
+    A B C D, then the second ..., the variant order rotated from part to part), so that every variant's step is
+    measured under the same machine load to within one micro-batch's time.  Returns each variant's step time."""
+    names = list(parts)
+    took = dict.fromkeys(names, 0.0)
+    if interleave == "step":
+        for n in names:
+            t = clock()
+            for part in parts[n]:
+                part()
+            took[n] = clock() - t
+        return took
+    for j in range(max(len(p) for p in parts.values())):
+        k = j % len(names)
+        for n in names[k:] + names[:k]:
+            if j < len(parts[n]):
+                t = clock()
+                parts[n][j]()
+                took[n] += clock() - t
+    return took
+
+
+def time_steps(workload: str, variants: List[str], steps: int, warmup: int, log=print, clock=time.perf_counter,
+               interleave: str = "micro") -> dict:
     w = WORKLOADS[workload]
     t0 = time.perf_counter()
     base = w.load()
@@ -64,14 +89,13 @@ def time_steps(workload: str, variants: List[str], steps: int, warmup: int, log=
     times: Dict[str, List[float]] = {v.name: [] for v in built}
     mech: Dict[str, List[float]] = {v.name: [] for v in built}
     for rnd in range(warmup + steps):
+        m0 = {v.name: v.mechanism.seconds if v.mechanism else 0.0 for v in built}
+        took = interleaved_round({v.name: v.parts for v in built}, clock, interleave)
         for v in built:
-            m0 = v.mechanism.seconds if v.mechanism else 0.0
-            t = clock()
-            v.step()
-            dt = clock() - t
+            dt = took[v.name]
             if rnd >= warmup:
                 times[v.name].append(dt)
-                mech[v.name].append((v.mechanism.seconds - m0) if v.mechanism else 0.0)
+                mech[v.name].append((v.mechanism.seconds - m0[v.name]) if v.mechanism else 0.0)
         log(f"[bench] {workload} round {rnd + 1}/{warmup + steps}"
             + (" (warm-up)" if rnd < warmup else "") + ": "
             + ", ".join(f"{v.name} {times[v.name][-1] if rnd >= warmup else dt:.3f}s" for v in built[-1:]))
@@ -170,7 +194,9 @@ def markdown(report: dict) -> str:
     lines = [f"# prismdp benchmark{' (quick)' if report['quick'] else ''}", "",
              f"{env['date']}, commit {env['commit']}, torch {env['torch']}, {env['threads']} thread(s), "
              f"{env['cpus']} CPU(s), {env['machine']}. Warm-up {report['warmup']} + {report['steps']} measured "
-             "rounds per workload, variants interleaved in one process; ratios are medians of per-round ratios"
+             "rounds per workload, variants interleaved in one process "
+             + ("micro-batch by micro-batch" if report.get("interleave", "step") == "micro" else "step by step")
+             + "; ratios are medians of per-round ratios"
              + ("; step and mechanism times are the process's CPU time." if report.get("clock") == "cpu" else ".")]
     load = env.get("load")
     if load:
@@ -276,6 +302,9 @@ def main(argv=None) -> int:
     p.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                    help="step and mechanism times: wall (default) or this process's CPU time (cpu: with --threads 1, "
                         "robust to other processes sharing the cores; train / bench stays wall time)")
+    p.add_argument("--interleave", choices=("micro", "step"), default="micro",
+                   help="variants alternate micro-batch by micro-batch (default: every variant's step measured under "
+                        "the same load to within one micro-batch) or step by step")
     p.add_argument("--quick", action="store_true", help="1 warm-up + 2 rounds, no memory runs, no train / bench, "
                                                         "micro up to 1024")
     p.add_argument("--no-memory", action="store_true", help="skip the per-variant memory processes")
@@ -311,14 +340,17 @@ def main(argv=None) -> int:
         [256, 512, 1024] if args.quick else [256, 512, 1024, 2048, 4096, 8192])
     load0 = os.getloadavg()[0]
     report = {"quick": args.quick, "steps": args.steps, "warmup": args.warmup, "clock": args.clock,
+              "interleave": args.interleave,
               "environment": _environment(args.threads), "workloads": [], "memory": {}, "notes": args.note}
     for wl in workloads:
         if wl == "W0":
             methods = [m for m in train_job.METHODS if m in args.variants]
-            got = train_job.time_job("W0", methods, args.steps, args.warmup, clock=CLOCKS[args.clock])
+            got = train_job.time_job("W0", methods, args.steps, args.warmup, clock=CLOCKS[args.clock],
+                                     interleave=args.interleave)
             report["workloads"].append(summarize("W0", got["description"], got["times"]))
             continue
-        report["workloads"].append(time_steps(wl, args.variants, args.steps, args.warmup, clock=CLOCKS[args.clock]))
+        report["workloads"].append(time_steps(wl, args.variants, args.steps, args.warmup, clock=CLOCKS[args.clock],
+                                              interleave=args.interleave))
         if not args.no_memory:
             report["memory"][wl] = measure_memory(wl, args.variants, args.threads, args.steps)
     report["train_vs_bench"] = [train_job.train_vs_bench(j, args.train_steps, 2) for j in jobs

@@ -6,8 +6,9 @@ steps); ``W1`` and ``W2`` are trainer jobs with the model, LoRA targets, rank, b
 workloads W1 and W2, on the built-in synthetic task (W1) and Math-10K (W2, when /work/shared/data is there).
 
 * :func:`time_job` -- each method's run built by the trainer's own builder (:func:`prismdp.train.build.build_run`),
-  stepped in one process, interleaved, on the same Poisson batches (the same seed): ``backward_batch`` then
-  ``private.step()``, exactly what ``metrics.jsonl``'s ``step_time_s`` times.  W0 in the bench is this.
+  stepped in one process on the same Poisson batches, interleaved micro-batch by micro-batch (as the workloads are):
+  ``backward_batch`` then ``private.step()``, what ``metrics.jsonl``'s ``step_time_s`` times.  W0 in the bench is
+  this.
 * :func:`train_vs_bench` -- ``prismdp train`` itself (:func:`prismdp.train.loop.train` in this process, progress bar
   on, stopped after ``steps`` steps of the job's full length, so epsilon is shown as often as in the real run)
   against the bench's step on the same job and batches: per step, the trainer's wall time (``metrics.jsonl``
@@ -18,6 +19,7 @@ workloads W1 and W2, on the built-in synthetic task (W1) and Math-10K (W2, when 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import statistics
 import tempfile
@@ -83,19 +85,40 @@ def _stepper(run, clock=time.perf_counter):
     return step
 
 
-def time_job(job: str, methods: List[str], steps: int, warmup: int, log=print, clock=time.perf_counter) -> dict:
-    """The job's methods stepped interleaved on the same batches; the same result layout as the workloads'."""
+def _parts(run, batch) -> list:
+    """One logical step of ``run`` on ``batch`` as parts: each micro-batch's forward and backward
+    (``backward_batch`` on that micro-batch's examples), then the update."""
+    from prismdp.train.step import backward_batch, micro_batch_plan
+
+    cfg = run.cfg
+    plan = micro_batch_plan(batch, run.data.train, cfg.micro_batch_size, cfg.group_by_length, run.data.units)
+    args = (run.data.train, run.data.loss)
+    rest = (cfg.micro_batch_size, run.tokenizer.pad_token_id, run.device, False)
+    return [functools.partial(backward_batch, run.private, run.model, *args, micro, *rest) for micro, _ in plan] + \
+        [run.private.step]
+
+
+def time_job(job: str, methods: List[str], steps: int, warmup: int, log=print, clock=time.perf_counter,
+             interleave: str = "micro") -> dict:
+    """The job's methods stepped interleaved (:func:`bench.__main__.interleaved_round`) on the same Poisson batches
+    (drawn by the first method's sampler); the same result layout as the workloads'."""
+    from .__main__ import interleaved_round
+
     t0 = time.perf_counter()
-    steppers = {m: _stepper(_build(job, m), clock) for m in methods}
+    runs = {m: _build(job, m) for m in methods}
+    if any(r.data.units is not None for r in runs.values()):
+        raise ValueError("bench's train jobs are example-level; user-level units are not interleaved")
+    batches = iter(next(iter(runs.values())).private.batches())
     log(f"[bench] {job}: built {len(methods)} trainer runs in {time.perf_counter() - t0:.1f} s")
     times: Dict[str, List[float]] = {m: [] for m in methods}
     for rnd in range(warmup + steps):
-        for m, step in steppers.items():
-            dt = step()
-            if rnd >= warmup:
-                times[m].append(dt)
+        batch = next(batches)
+        took = interleaved_round({m: _parts(r, batch) for m, r in runs.items()}, clock, interleave)
+        if rnd >= warmup:
+            for m in methods:
+                times[m].append(took[m])
         log(f"[bench] {job} round {rnd + 1}/{warmup + steps}" + (" (warm-up)" if rnd < warmup else "") + ": "
-            + ", ".join(f"{m} {dt:.3f}s" for m, dt in ((m, times[m][-1] if rnd >= warmup else 0.0) for m in methods)))
+            + ", ".join(f"{m} {took[m]:.3f}s" for m in methods))
     return {"workload": job, "description": JOB_DESCRIPTIONS[job], "times": times}
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List
@@ -158,9 +159,16 @@ class TimedOptimizer:
 
 @dataclass
 class Variant:
+    """One training-step variant: ``parts`` are its step in order (each micro-batch's forward and backward, then the
+    update), so that a benchmark can interleave variants micro-batch by micro-batch (``step()`` runs them all)."""
+
     name: str
-    step: Callable[[], None]
+    parts: List[Callable[[], None]]
     mechanism: Timer | None = None  # time inside the DP mechanism (clip, noise, update), None if not private
+
+    def step(self) -> None:
+        for part in self.parts:
+            part()
 
 
 def _batches(w: Workload, vocab: int, seed: int = 0):
@@ -215,13 +223,14 @@ def build_variant(name: str, w: Workload, base: nn.Module, shard: tuple[int, int
     if name == "lora-adamw":
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
-        def step():
-            for ids, mask, labels in data:
-                (_per_example_losses(w, model, ids, mask, labels).mean() / w.n_micro).backward()
+        def micro(ids, mask, labels):
+            (_per_example_losses(w, model, ids, mask, labels).mean() / w.n_micro).backward()
+
+        def update():
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        return Variant(name, step)
+        return Variant(name, [functools.partial(micro, *b) for b in data] + [update])
 
     if name not in REFERENCES:  # a registered method, or an ablation of one
         from prismdp.engine import make_private
@@ -238,12 +247,10 @@ def build_variant(name: str, w: Workload, base: nn.Module, shard: tuple[int, int
 
         mine = data[shard[0]::shard[1]]
 
-        def step():
-            for ids, mask, labels in mine:
-                private.backward(_per_example_losses(w, model, ids, mask, labels))
-            private.step()
+        def micro(ids, mask, labels):
+            private.backward(_per_example_losses(w, model, ids, mask, labels))
 
-        return Variant(name, step, timer)
+        return Variant(name, [functools.partial(micro, *b) for b in mine] + [private.step], timer)
 
     # Opacus' own DP-AdamW on the same PEFT model
     from opacus import PrivacyEngine
@@ -257,11 +264,10 @@ def build_variant(name: str, w: Workload, base: nn.Module, shard: tuple[int, int
                                          max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode="hooks")
     timer = Timer(clock)
 
-    def step():
-        for i, (ids, mask, labels) in enumerate(data):
-            _per_example_losses(w, gsm, ids, mask, labels).mean().backward()
-            dp_opt.signal_skip_step(do_skip=i < w.n_micro - 1)  # virtual steps: clip and accumulate, update once
-            timer.call(dp_opt.step)
-            dp_opt.zero_grad(set_to_none=True)
+    def micro(i, ids, mask, labels):
+        _per_example_losses(w, gsm, ids, mask, labels).mean().backward()
+        dp_opt.signal_skip_step(do_skip=i < w.n_micro - 1)  # virtual steps: clip and accumulate, update once
+        timer.call(dp_opt.step)
+        dp_opt.zero_grad(set_to_none=True)
 
-    return Variant(name, step, timer)
+    return Variant(name, [functools.partial(micro, i, *b) for i, b in enumerate(data)], timer)

@@ -5,9 +5,29 @@ import statistics
 
 import pytest
 
-from bench.__main__ import main, markdown, measure_memory
+from bench.__main__ import interleaved_round, main, markdown, measure_memory
 from bench.micro import HostSyncCounter, run_micro
 from bench.workloads import VARIANTS, WORKLOADS
+
+
+def test_micro_interleaving_charges_each_part_to_its_variant_and_rotates_the_order():
+    """A fake clock advanced only by the parts: variant a's parts take 1, 2, 4 and b's 8, 16 (b has one part less),
+    so the step times must be exactly 7 and 24 whichever order the parts ran in; the order rotates per part."""
+    now, ran = [0.0], []
+
+    def part(name, dt):
+        def run():
+            ran.append(name)
+            now[0] += dt
+        return run
+
+    parts = {"a": [part("a", 1), part("a", 2), part("a", 4)], "b": [part("b", 8), part("b", 16)]}
+    took = interleaved_round(parts, clock=lambda: now[0])
+    assert took == {"a": 7, "b": 24}
+    assert ran == ["a", "b", "b", "a", "a"]
+    ran.clear()
+    assert interleaved_round(parts, clock=lambda: now[0], interleave="step") == {"a": 7, "b": 24}
+    assert ran == ["a", "a", "a", "b", "b"]
 
 
 def test_runner_interleaves_variants_and_writes_consistent_results(tmp_path):
