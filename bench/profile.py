@@ -39,36 +39,46 @@ def _steppers(workload: str, variants: List[str]) -> Dict[str, Callable[[], None
     return {v: build_variant(v, w, base).step for v in variants}
 
 
-def profile_steps(step: Callable[[], None], steps: int) -> dict:
-    """Per-step totals and per-operator self CPU time (us), flops and calls over ``steps`` profiled steps."""
+def _new_ops() -> Dict[str, Dict[str, float]]:
+    return defaultdict(lambda: {"self_us": 0.0, "total_us": 0.0, "flops": 0.0, "calls": 0.0})
+
+
+def profile_step(step: Callable[[], None], ops: Dict[str, Dict[str, float]], scale: float) -> None:
+    """Profile one ``step()``; add its per-operator self and total CPU time (us), flops and calls, times ``scale``,
+    to ``ops``."""
     with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
-        for _ in range(steps):
-            step()
-    ops: Dict[str, Dict[str, float]] = defaultdict(lambda: {"self_us": 0.0, "total_us": 0.0, "flops": 0.0,
-                                                            "calls": 0.0})
+        step()
     for e in prof.key_averages():
         o = ops[e.key]
-        o["self_us"] += e.self_cpu_time_total / steps
-        o["total_us"] += e.cpu_time_total / steps
-        o["flops"] += (e.flops or 0) / steps
-        o["calls"] += e.count / steps
+        o["self_us"] += e.self_cpu_time_total * scale
+        o["total_us"] += e.cpu_time_total * scale
+        o["flops"] += (e.flops or 0) * scale
+        o["calls"] += e.count * scale
+
+
+def summary(ops: Dict[str, Dict[str, float]]) -> dict:
     comp_us = sum(o["total_us"] for k, o in ops.items() if k.startswith(COMP))  # the forward and backward nodes
     return {"self_us": sum(o["self_us"] for o in ops.values()), "flops": sum(o["flops"] for o in ops.values()),
             "calls": sum(o["calls"] for o in ops.values()), "compensation_us": comp_us, "ops": dict(ops)}
 
 
 def run(workload: str, variants: List[str], steps: int, warmup: int, log=print) -> dict:
+    """``warmup`` unprofiled steps, then ``steps`` rounds profiling one step of each variant in turn (so that a
+    change of machine load hits every variant alike); per-step averages."""
     t0 = time.perf_counter()
     steppers = _steppers(workload, variants)
     log(f"[profile] {workload}: built {len(variants)} variants in {time.perf_counter() - t0:.1f} s")
     for _ in range(warmup):
         for step in steppers.values():
             step()
-    out = {}
-    for v, step in steppers.items():
-        out[v] = profile_steps(step, steps)
-        log(f"[profile] {workload} {v}: {out[v]['self_us'] / 1e6:.3f} s self CPU / step, "
-            f"{out[v]['flops'] / 1e9:.2f} GFLOP, {out[v]['calls']:.0f} calls")
+    ops = {v: _new_ops() for v in steppers}
+    for _ in range(steps):
+        for v, step in steppers.items():
+            profile_step(step, ops[v], 1 / steps)
+    out = {v: summary(o) for v, o in ops.items()}
+    for v, r in out.items():
+        log(f"[profile] {workload} {v}: {r['self_us'] / 1e6:.3f} s self CPU / step, {r['flops'] / 1e9:.2f} GFLOP, "
+            f"{r['calls']:.0f} calls")
     return {"workload": workload, "variants": out}
 
 

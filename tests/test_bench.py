@@ -150,3 +150,18 @@ def test_extrapolation_fits_the_micro_benchmark_and_reports_shares():
     w2 = next(r for r in ext["rows"] if r["shape"] == "W2")
     assert w2["measured_share"] == 0.03 and w2["cpu_step_s"] == pytest.approx(6.0)
     assert 0 < w2["flop_share"] < 0.05 and "| Gemma-3-4B |" in "\n".join(ex.markdown(ext))
+
+
+def test_profile_counts_the_compensations_flops_and_time(tmp_path):
+    """bench.profile on the tiny BERT: PRISM's fused compensation shows as extra matrix flops and as time under its
+    autograd functions; without the compensation neither appears."""
+    from bench.profile import main as profile_main
+
+    assert profile_main(["--workloads", "tiny-bert", "--variants", "prism-no-dropout-comp,prism", "--steps", "1",
+                         "--warmup", "1", "--output", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "profile.json").read_text())
+    (res,) = report["workloads"]
+    plain, comp = res["variants"]["prism-no-dropout-comp"], res["variants"]["prism"]
+    assert plain["compensation_us"] == 0 < comp["compensation_us"]
+    assert comp["flops"] > plain["flops"] > 0
+    assert "| prism |" in (tmp_path / "profile.md").read_text()
