@@ -10,6 +10,12 @@ Model (stated, not fitted to the answer):
 * Mechanism flops per module (m x n, rank r), from the code: per example ``2 (2m + n) r^2`` (the r x r Gram norms)
   and ``2 (m + n) r`` (the clipped sums); per step ``~40 (m + n) r^2`` (frames, lift, noise, adaptive step,
   retraction, alignment).
+* The exact compensation of LoRA dropout on PRISM's rank-r start (``prismdp.lora.StartDropoutCompensation``, every
+  started module with dropout): its LoRA branch computes ``(Z - Z0) drop(x)`` with products of width 2r instead of
+  r, ``4 (m + n) r`` more flops per token and module (forward ``2 (m + n) r``, input gradient ``2 (m + n) r``; an
+  upper bound: the first layer's input gradient is skipped).  Checked against the profiler's exact flop count
+  (``python -m bench.profile``): W1 3.6 (model) vs 3.3 GFLOP per step (measured, prism minus
+  prism-no-dropout-comp), W2 13.6 vs 13.5.
 * Mechanism seconds on this CPU: the micro-benchmark's per-module times (one module, m = n = d, b = 64, r = 16),
   fitted as ``t = a + s (m + n)`` separately for ``accumulate`` (per micro-batch, linear in the examples) and ``step``
   (once per step); a model's stacks of equal-shape modules are one call each (``a`` per stack and call), its modules
@@ -79,6 +85,11 @@ def mechanism_flops(s: Shape) -> float:
     return s.examples * per_example + per_step
 
 
+def compensation_flops(s: Shape) -> float:
+    """Extra flops per step of the exact dropout compensation (upper bound, see the module docstring)."""
+    return s.examples * s.length * sum(c * 4 * (m + n) * s.r for m, n, c in s.modules)
+
+
 def _fit(rows: List[dict], key: str) -> Tuple[float, float]:
     """Least-squares ``t = a + s (m + n)`` over the micro-benchmark's rows (those with m + n >= 1024 if there are
     two)."""
@@ -121,6 +132,7 @@ def extrapolate(micro: dict, workloads: List[dict]) -> dict:
         rows.append({
             "shape": name, "note": s.note, "modules": sum(c for _, _, c in s.modules), "stacks": len(s.modules),
             "examples_per_step": s.examples, "step_flops": sf, "mechanism_flops": mf, "flop_share": mf / sf,
+            "compensation_flops": compensation_flops(s), "compensation_flop_share": compensation_flops(s) / sf,
             "cpu_mechanism_s": mech_s, "cpu_step_s": step_s,
             "cpu_share": mech_s / (step_s + mech_s) if step_s else None,
             "measured_mechanism_s": prism["mechanism_median_s"] if prism else None,
@@ -137,16 +149,19 @@ def markdown(ext: dict) -> List[str]:
              "seconds: mechanism from the micro-benchmark's accumulate/step fits (a per stack and call, a slope per "
              "unit of m + n), step = flops at the FLOP rate the non-private step reached on W1/W2 here"
              + (f" ({rate / 1e9:.0f} GFLOP/s)." if rate else " (not measured in this run)."), "",
+             "Dropout compensation (PRISM's rank-r start with LoRA dropout, exact): 4 (m + n) r flops per token "
+             "and module, an upper bound.", "",
              "| shape | modules (stacks) | examples / step | step GFLOP | mechanism GFLOP | flop share | "
-             "CPU: mechanism s / step s | CPU share (model) | measured share |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "dropout compensation GFLOP (share) | CPU: mechanism s / step s | CPU share (model) | measured share |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in ext["rows"]:
         cpu = "-" if r["cpu_step_s"] is None else f"{r['cpu_mechanism_s']:.3f} / {r['cpu_step_s']:.1f}"
         share = "-" if r["cpu_share"] is None else f"{100 * r['cpu_share']:.2f} %"
         meas = "-" if r["measured_share"] is None else f"{100 * r['measured_share']:.2f} %"
         lines.append(f"| {r['shape']} | {r['modules']} ({r['stacks']}) | {r['examples_per_step']} | "
                      f"{r['step_flops'] / 1e9:,.0f} | {r['mechanism_flops'] / 1e9:.2f} | "
-                     f"{100 * r['flop_share']:.3f} % | {cpu} | {share} | {meas} |")
+                     f"{100 * r['flop_share']:.3f} % | {r['compensation_flops'] / 1e9:,.1f} "
+                     f"({100 * r['compensation_flop_share']:.2f} %) | {cpu} | {share} | {meas} |")
     lines += [""] + [f"- {r['shape']}: {r['note']}" for r in ext["rows"]] + [""]
     return lines
 
