@@ -125,14 +125,14 @@ def extrapolate(micro: dict, workloads: List[dict]) -> dict:
     rate = statistics.fmean(rates) if rates else None
     rows = []
     for name, s in SHAPES.items():
-        sf, mf = step_flops(s), mechanism_flops(s)
+        sf, mf, cf = step_flops(s), mechanism_flops(s), compensation_flops(s)
         mech_s = mechanism_seconds(s, micro)
         step_s = sf / rate if rate else None
         prism = measured.get(name, {}).get("variants", {}).get("prism")
         rows.append({
             "shape": name, "note": s.note, "modules": sum(c for _, _, c in s.modules), "stacks": len(s.modules),
             "examples_per_step": s.examples, "step_flops": sf, "mechanism_flops": mf, "flop_share": mf / sf,
-            "compensation_flops": compensation_flops(s), "compensation_flop_share": compensation_flops(s) / sf,
+            "compensation_flops": cf, "compensation_flop_share": cf / sf,
             "cpu_mechanism_s": mech_s, "cpu_step_s": step_s,
             "cpu_share": mech_s / (step_s + mech_s) if step_s else None,
             "measured_mechanism_s": prism["mechanism_median_s"] if prism else None,
