@@ -68,17 +68,23 @@ def _build(job: str, method: str):
     return run
 
 
-def _stepper(run, clock=time.perf_counter):
+def _backward(run, indices, group_by_length: bool, units):
+    """``backward_batch`` of ``run`` on ``indices`` (its forward and backward, micro-batch by micro-batch), ready to
+    call."""
     from prismdp.train.step import backward_batch
 
+    return functools.partial(backward_batch, run.private, run.model, run.data.train, run.data.loss, indices,
+                             run.cfg.micro_batch_size, run.tokenizer.pad_token_id, run.device, group_by_length,
+                             units=units)
+
+
+def _stepper(run, clock=time.perf_counter):
     batches = iter(run.private.batches())
-    cfg = run.cfg
 
     def step() -> float:
-        batch = next(batches)
+        backward = _backward(run, next(batches), run.cfg.group_by_length, run.data.units)
         t0 = clock()
-        backward_batch(run.private, run.model, run.data.train, run.data.loss, batch, cfg.micro_batch_size,
-                       run.tokenizer.pad_token_id, run.device, cfg.group_by_length, units=run.data.units)
+        backward()
         run.private.step()
         return clock() - t0
 
@@ -88,14 +94,11 @@ def _stepper(run, clock=time.perf_counter):
 def _parts(run, batch) -> list:
     """One logical step of ``run`` on ``batch`` as parts: each micro-batch's forward and backward
     (``backward_batch`` on that micro-batch's examples), then the update."""
-    from prismdp.train.step import backward_batch, micro_batch_plan
+    from prismdp.train.step import micro_batch_plan
 
     cfg = run.cfg
     plan = micro_batch_plan(batch, run.data.train, cfg.micro_batch_size, cfg.group_by_length, run.data.units)
-    args = (run.data.train, run.data.loss)
-    rest = (cfg.micro_batch_size, run.tokenizer.pad_token_id, run.device, False)
-    return [functools.partial(backward_batch, run.private, run.model, *args, micro, *rest) for micro, _ in plan] + \
-        [run.private.step]
+    return [_backward(run, micro, False, None) for micro, _ in plan] + [run.private.step]
 
 
 def time_job(job: str, methods: List[str], steps: int, warmup: int, log=print, clock=time.perf_counter,
