@@ -397,3 +397,44 @@ def test_trl_example_splits_prompt_and_completion_at_a_token_boundary(tiny_llama
         row = example.split_at_token_boundary(p, c)
         assert row["prompt"] + row["completion"] == generate_prompt(r)
         assert is_prefix(row["prompt"], row["completion"])
+
+
+def test_examples_dropped_by_trl_preparation_are_counted_in_a_warning(tiny_llama_dir, tmp_path):
+    """TRL's SFTTrainer drops, silently, the examples whose completion max_length cuts off entirely. The private
+    Trainer warns with the count (here the three rows whose prompt alone is ~4x max_length) and accounts only the
+    rows kept; with every completion inside max_length there is no warning."""
+    import warnings
+
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    pytest.importorskip("trl")
+    from trl import SFTConfig, SFTTrainer
+
+    from prismdp.integrations.hf import private_trainer_class
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    short = [{"prompt": f"Question {i}: what is {i} plus {i}?", "completion": f" {2 * i}"} for i in range(5)]
+    long = [{"prompt": "Read this. " + "The quick brown fox jumps over the lazy dog. " * 12 + "Answer:",
+             "completion": " yes"} for _ in range(3)]
+    assert all(len(tok(r["prompt"])["input_ids"]) < 20 for r in short)
+    assert all(len(tok(r["prompt"])["input_ids"]) > 100 for r in long)
+
+    def build(rows):
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama_dir),
+                               LoraConfig(r=2, lora_alpha=2, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+        args = SFTConfig(output_dir=str(tmp_path), max_length=32, per_device_train_batch_size=2, max_steps=2,
+                         use_cpu=True, bf16=False, report_to=[], save_strategy="no", disable_tqdm=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = private_trainer_class(SFTTrainer)(
+                model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok,
+                privacy_args=PrivacyArguments(target_epsilon=3.0, expected_batch_size=2))
+        return trainer, [str(w.message) for w in caught if "data preparation kept" in str(w.message)]
+
+    trainer, messages = build(short + long)
+    assert len(trainer.train_dataset) == 5 and trainer.privacy_report()["dataset_size"] == 5
+    assert len(messages) == 1 and "kept 5 of the 8 training examples given (3 dropped" in messages[0]
+    trainer, messages = build(short)
+    assert len(trainer.train_dataset) == 5 and messages == []

@@ -32,7 +32,9 @@ What breaks the accounting is refused, with the reason: an ``IterableDataset``, 
 ``auto_find_batch_size``, ``gradient_accumulation_steps`` (the logical batch is ``expected_batch_size``),
 ``dataloader_drop_last``, a collator that drops or duplicates examples.
 
-TRL: ``private_trainer_class(SFTTrainer)`` gives the same behaviour on top of another Trainer subclass.
+TRL: ``private_trainer_class(SFTTrainer)`` gives the same behaviour on top of another Trainer subclass.  Examples
+its preparation drops (a completion cut off entirely by ``max_length``) are counted in a warning; the guarantee
+counts the rows kept.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -168,6 +171,18 @@ def per_example_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return classification_losses(logits, labels)
 
 
+def _warn_if_preparation_dropped(given: int, kept: int) -> None:
+    """Say so when the Trainer subclass's own preparation (TRL's ``SFTTrainer`` drops the examples whose completion
+    ends up fully masked after truncation to ``max_length``) leaves fewer rows than the user passed: those examples are
+    never trained on, and the guarantee counts only the rows kept."""
+    if kept < given:
+        warnings.warn(f"the Trainer's data preparation kept {kept} of the {given} training examples given "
+                      f"({given - kept} dropped, {100 * (given - kept) / given:.1f} %; TRL's SFTTrainer drops examples "
+                      "whose completion is cut off entirely by max_length). They are not trained on; the privacy "
+                      f"accounting uses the {kept} kept. To keep them, raise max_length or shorten the prompts.",
+                      UserWarning, stacklevel=3)
+
+
 class PrivacyMixin:
     """The privacy behaviour of :class:`PrivateTrainer`, to put in front of any ``Trainer`` subclass
     (:func:`private_trainer_class`)."""
@@ -210,6 +225,7 @@ class PrivacyMixin:
         # one Trainer step = one logical step, the Trainer's clipping off, our sampler positioned by the privacy state
         targs = dataclasses.replace(targs, max_steps=steps or 1, max_grad_norm=0.0, ignore_data_skip=True)
         super().__init__(model=model, args=targs, **kwargs)
+        _warn_if_preparation_dropped(len(dataset), len(self.train_dataset))
         # the rows the Trainer really trains on (TRL's preparation may drop some): what the guarantee counts
         self._units = self._privacy_units(self.train_dataset, p)
         n_units = len(self._units) if self._units is not None else len(self.train_dataset)
