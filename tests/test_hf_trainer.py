@@ -405,11 +405,11 @@ def test_examples_dropped_by_trl_preparation_are_counted_in_a_warning(tiny_llama
     rows kept; with every completion inside max_length there is no warning."""
     import warnings
 
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
     from datasets import Dataset
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    pytest.importorskip("trl")
     from trl import SFTConfig, SFTTrainer
 
     from prismdp.integrations.hf import private_trainer_class
