@@ -426,3 +426,44 @@ def test_a_method_entry_with_its_own_lrs_is_tuned_on_its_own_ladder(tmp_path):
                                                          (3e-4, 1e-3, 3e-3)} | {"sst2__prism__eps3__lr0.001__seed2"}
     with pytest.raises(ConfigError, match="have their own lrs, but the grid has no"):
         load_experiment({"tasks": {"sst2": {}}, "methods": {"p": {"method": "prism", "lrs": [1.0]}}})
+
+
+def test_paired_figure_puts_each_seeds_difference_on_its_methods_row(tmp_path):
+    """paired.png beside results.md: per task panel, the dots of row (setting, method) are PRISM minus that method on
+    each seed, the diamond their mean; rows are labelled setting then method, in the experiment's order."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.collections import PathCollection
+
+    from prismdp.experiment.figure import paired_figure
+    from prismdp.experiment.tables import paired_differences, read_cell
+
+    exp = load_experiment({"name": "T", "output": str(tmp_path), "tasks": {"sst2": {}, "qqp": {}},
+                           "methods": ["prism", "dp-adamw", "ffa"], "privacy": [3, "non-dp"], "seeds": [1, 2]})
+    cells = exp.cells()
+    base = {"prism": 0.80, "dp-adamw": 0.70, "ffa": 0.75}
+    score = {}
+    for c in cells:
+        if c.task_id == "qqp" and c.method == "ffa":
+            continue  # no FFA on QQP: its rows stay empty in that panel
+        score[c.id] = base[c.method] + 0.01 * c.seed * (c.method == "prism") + (0.05 if c.setting.dp else 0.0) \
+            + (0.1 if c.task_id == "qqp" else 0.0)
+        _fake_cell(c, {c.task_id: score[c.id]})
+    write_results(exp, cells, tmp_path)
+    assert (tmp_path / "paired.png").stat().st_size > 1000
+    pairs = paired_differences(exp, cells, [r for r in (read_cell(c) for c in cells) if r is not None])
+    fig = paired_figure(exp, pairs)
+    ax_sst2, ax_qqp = fig.axes
+    labels = [t.get_text() for t in ax_sst2.get_yticklabels()]
+    assert labels == ["ε=3  AdamW", "ε=3  FFA", "Non-DP  AdamW", "Non-DP  FFA"]
+    y = {label: ax_sst2.get_yticks()[i] for i, label in enumerate(labels)}
+    dots = {}
+    for ax, task in ((ax_sst2, "sst2"), (ax_qqp, "qqp")):
+        for coll in ax.collections:
+            if isinstance(coll, PathCollection):  # the per-seed dots (the means are errorbar lines)
+                for x, yy in coll.get_offsets():
+                    dots.setdefault((task, round(float(yy))), []).append(round(float(x), 6))
+    # PRISM minus AdamW: 0.10 + 0.01 * seed; minus FFA: 0.05 + 0.01 * seed, in both settings
+    assert sorted(dots[("sst2", round(y["ε=3  AdamW"]))]) == [0.11, 0.12]
+    assert sorted(dots[("sst2", round(y["Non-DP  FFA"]))]) == [0.06, 0.07]
+    assert sorted(dots[("qqp", round(y["Non-DP  AdamW"]))]) == [0.11, 0.12]
+    assert ("qqp", round(y["ε=3  FFA"])) not in dots

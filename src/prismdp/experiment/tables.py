@@ -25,9 +25,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ..atomic import atomic_path, write_text
 from ..train.profile import WARMUP_STEPS, run_step_times
 from .columns import CANONICAL, COLUMN_LABELS, GROUPS, table_scores
+from .figure import have_matplotlib, save_paired_figure
 from .grid import Cell, Experiment, Setting
 
-__all__ = ["CellResult", "read_cell", "result_rows", "write_csv", "build_table", "render_markdown", "render_latex",
+__all__ = ["CellResult", "Pair", "paired_differences", "read_cell", "result_rows", "write_csv", "build_table", "render_markdown", "render_latex",
            "write_results", "COLUMN_LABELS", "CSV_FIELDS"]
 
 CSV_FIELDS = ["cell_id", "task_id", "task", "method", "method_label", "setting", "dp", "epsilon_target", "seed",
@@ -366,22 +367,27 @@ def render_tuning(exp: Experiment, plan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_paired(exp: Experiment, cells: Sequence[Cell], results: Sequence[CellResult]) -> str:
-    """``exp.compare`` (PRISM) against every other method, per task column and setting, paired by seed: the mean
-    difference of the reported score, its sample standard deviation and how many seeds it wins."""
+@dataclass
+class Pair:
+    """``compare`` minus ``method`` on one task column and setting, per seed both have."""
+    name: str  # the task column ("sst2", or "id:column" when a task id has several)
+    setting: Setting
+    method: str
+    seeds: List[int]
+    diffs: List[float]
+
+
+def paired_differences(exp: Experiment, cells: Sequence[Cell], results: Sequence[CellResult]) -> List[Pair]:
+    """``exp.compare`` (PRISM) against every other method, per task column and setting, paired by seed (the same data
+    order and held-out splits).  Empty without ``exp.compare``."""
     if exp.compare is None:
-        return ""
+        return []
     by_cell = {r.cell.id: r for r in results}
     scores: Dict[Tuple[str, str, str], Dict[int, Dict[str, float]]] = {}
     for c in cells:
         if c.id in by_cell:
             scores.setdefault((c.task_id, c.setting.key, c.method), {})[c.seed] = by_cell[c.id].scores
-    lines = ["", f"## Paired comparison: {exp.label(exp.compare)} minus each method", "",
-             "Per task and setting, the difference of the reported score on the same seed (the same data order and "
-             "held-out splits), mean ± sample std over the seeds both have; wins = seeds where "
-             f"{exp.label(exp.compare)} scores higher.", "",
-             "| Task | Setting | vs | Δ mean ± std | wins | per seed |", "|---|---|---|---:|---:|---|"]
-    rows = 0
+    pairs = []
     for task_id in exp.tasks:
         for st in exp.settings:
             ours = scores.get((task_id, st.key, exp.compare), {})
@@ -393,20 +399,32 @@ def render_paired(exp: Experiment, cells: Sequence[Cell], results: Sequence[Cell
                     seeds = sorted(s for s in ours if s in theirs and col in ours[s] and col in theirs[s])
                     if not seeds:
                         continue
-                    d = [ours[s][col] - theirs[s][col] for s in seeds]
-                    stat = _stat(d)
-                    wins = sum(x > 0 for x in d)
                     name = task_id if col == exp.tasks[task_id].get("task", task_id) or col == task_id else \
                         f"{task_id}:{col}"
-                    lines.append(f"| {name} | {st.label} | {exp.label(method)} | {_fmt(stat, ' ± ')} | "
-                                 f"{wins}/{len(d)} | " + ", ".join(f"{x:+.3f}" for x in d) + " |")
-                    rows += 1
-    return "\n".join(lines) + "\n" if rows else ""
+                    pairs.append(Pair(name, st, method, seeds, [ours[s][col] - theirs[s][col] for s in seeds]))
+    return pairs
+
+
+def render_paired(exp: Experiment, pairs: Sequence[Pair]) -> str:
+    """The paired comparisons as a table: mean difference, its sample standard deviation, seeds won, per seed."""
+    if not pairs:
+        return ""
+    lines = ["", f"## Paired comparison: {exp.label(exp.compare)} minus each method", "",
+             "Per task and setting, the difference of the reported score on the same seed (the same data order and "
+             "held-out splits), mean ± sample std over the seeds both have; wins = seeds where "
+             f"{exp.label(exp.compare)} scores higher.", "",
+             "| Task | Setting | vs | Δ mean ± std | wins | per seed |", "|---|---|---|---:|---:|---|"]
+    for p in pairs:
+        wins = sum(x > 0 for x in p.diffs)
+        lines.append(f"| {p.name} | {p.setting.label} | {exp.label(p.method)} | {_fmt(_stat(p.diffs), ' ± ')} | "
+                     f"{wins}/{len(p.diffs)} | " + ", ".join(f"{x:+.3f}" for x in p.diffs) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def write_results(exp: Experiment, cells: Sequence[Cell], out_dir: Path,
                   failures: Optional[Dict[str, str]] = None, plan=None) -> Tuple[List[CellResult], Table]:
-    """Read every finished cell and write ``results.csv``, ``results.md`` and ``results.tex`` into ``out_dir``.
+    """Read every finished cell and write ``results.csv``, ``results.md`` and ``results.tex`` into ``out_dir``, and
+    with matplotlib installed the paired comparisons as ``paired.png`` (:mod:`prismdp.experiment.figure`).
 
     With a tuning ``plan`` (:mod:`prismdp.experiment.tuning`), ``cells`` are the reported runs (every seed at each
     group's chosen rate), results.csv also holds every tuning run, and results.md gains the learning-rate table."""
@@ -416,9 +434,12 @@ def write_results(exp: Experiment, cells: Sequence[Cell], out_dir: Path,
     every = results if plan is None else [r for r in (read_cell(c) for c in listed) if r is not None]
     write_csv(out_dir / "results.csv", result_rows(exp, every))
     table = build_table(exp, cells, results, failures)
-    md = render_markdown(table) + render_paired(exp, cells, results)
+    pairs = paired_differences(exp, cells, results)
+    md = render_markdown(table) + render_paired(exp, pairs)
     if plan is not None:
         md += render_tuning(exp, plan)
     write_text(out_dir / "results.md", md + render_runtime(exp, cells, results))
     write_text(out_dir / "results.tex", render_latex(table))
+    if pairs and have_matplotlib():
+        save_paired_figure(exp, pairs, out_dir / "paired.png")
     return results, table
