@@ -467,3 +467,27 @@ def test_paired_figure_puts_each_seeds_difference_on_its_methods_row(tmp_path):
     assert sorted(dots[("sst2", round(y["Non-DP  FFA"]))]) == [0.06, 0.07]
     assert sorted(dots[("qqp", round(y["Non-DP  AdamW"]))]) == [0.11, 0.12]
     assert ("qqp", round(y["ε=3  FFA"])) not in dots
+
+
+def test_excluded_groups_are_not_in_the_plan_nor_in_the_learning_rate_table(tmp_path):
+    """`exclude` leaves a (task, method, setting) out: no tuning row for it (it used to show as a row of '…'
+    forever), and the plan is done once the other groups are."""
+    from prismdp.experiment.tuning import Plan
+
+    def fake_train(cfg, resume=False, progress=False, log=None):
+        folder = Path(cfg.output)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
+        (folder / "summary.json").write_text(json.dumps({
+            "steps": 1, "privacy": {"private": cfg.dp}, "eval": {"val": {"score": 0.5 + cfg.lr}},
+            "scores": {cfg.task: 0.5 + cfg.lr}}))
+
+    exp = load_experiment({"name": "T", "output": str(tmp_path), "tasks": {"sst2": {}, "qqp": {}},
+                           "methods": ["prism", "dp-adamw"], "privacy": [3], "seeds": [1],
+                           "lrs": [1e-3, 3e-3], "tune": {"by": "val", "widen": 0}, "exclude": ["qqp__dp-adamw__*"]})
+    run_experiment(exp, progress=False, log=lambda *a: None, train_fn=fake_train)
+    plan = Plan(exp, tmp_path)
+    assert set(plan.groups) == {("sst2", "prism", "eps3"), ("sst2", "dp-adamw", "eps3"), ("qqp", "prism", "eps3")}
+    assert plan.done()
+    md = (tmp_path / "results.md").read_text()
+    assert "| qqp | ε=3 | PRISM |" in md and "| qqp | ε=3 | AdamW |" not in md

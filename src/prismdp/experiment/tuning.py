@@ -107,14 +107,15 @@ class Plan:
             return -math.inf  # a failed run does not win, and is not retried by this process
         return eval_score(cell, self.tune.by)
 
-    def _group(self, task_id, method, setting) -> GroupState:
+    def _group(self, task_id, method, setting) -> Optional[GroupState]:
+        """The group's state; None when the experiment's ``exclude`` leaves it out."""
         g = GroupState((task_id, method, setting.key))
         lrs = sorted(self.exp.lrs_for(method))
         widened = {"low": 0, "high": 0}
         while True:
             cells = {lr: self._cell(task_id, method, setting, self.tune_seed, lr) for lr in lrs}
             if self.exp.excluded(next(iter(cells.values())).id):
-                return g
+                return None
             g.tried = {lr: self._score(c) for lr, c in cells.items()}
             missing = [c for lr, c in cells.items() if g.tried[lr] is None]
             if missing:
@@ -138,7 +139,8 @@ class Plan:
             for setting in self.settings:
                 for method in self.methods:
                     g = self._group(task_id, method, setting)
-                    self.groups[g.key] = g
+                    if g is not None:
+                        self.groups[g.key] = g
 
     def todo(self) -> List[Any]:
         """Cells to train now, in order: per task, the tuning runs of every group, then the runs they unlocked."""
