@@ -491,3 +491,23 @@ def test_excluded_groups_are_not_in_the_plan_nor_in_the_learning_rate_table(tmp_
     assert plan.done()
     md = (tmp_path / "results.md").read_text()
     assert "| qqp | ε=3 | PRISM |" in md and "| qqp | ε=3 | AdamW |" not in md
+
+
+def test_a_tuned_run_of_a_subset_writes_the_tables_of_the_whole_grid(tmp_path):
+    """`--methods prism` on a tuned grid whose DP-AdamW cells are done must not drop DP-AdamW from results.md /
+    results.csv (every process of a grid rewrites them; each used to write only its own subset)."""
+    def fake_train(cfg, resume=False, progress=False, log=None):
+        folder = Path(cfg.output)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
+        (folder / "summary.json").write_text(json.dumps({
+            "steps": 1, "privacy": {"private": cfg.dp}, "eval": {"val": {"score": 0.5 + cfg.lr}},
+            "scores": {"sst2": 0.5 + cfg.lr}}))
+
+    exp = load_experiment({"name": "T", "output": str(tmp_path), "tasks": {"sst2": {}}, "methods": ["prism", "dp-adamw"],
+                           "privacy": [3], "seeds": [1], "lrs": [1e-3, 3e-3], "tune": {"by": "val", "widen": 0}})
+    run_experiment(exp, methods=["dp-adamw"], progress=False, log=lambda *a: None, train_fn=fake_train)
+    run_experiment(exp, methods=["prism"], progress=False, log=lambda *a: None, train_fn=fake_train)
+    md = (tmp_path / "results.md").read_text()
+    assert "| ε=3 | PRISM |" in md and "|  | AdamW |" in md
+    assert {r["method"] for r in csv.DictReader(open(tmp_path / "results.csv"))} == {"prism", "dp-adamw"}

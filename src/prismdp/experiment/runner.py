@@ -182,6 +182,15 @@ def run_experiment(exp: Experiment, *, output: Optional[str] = None, tasks: Opti
     return run
 
 
+def _write_tuned_tables(exp: Experiment, out_dir: Path, failures):
+    """The tables over the whole grid, whatever subset (--tasks/--methods/--privacy) this process trains: every
+    process writes the same complete results, as the untuned path does."""
+    from .tuning import Plan
+
+    plan = Plan(exp, out_dir, failed=list(failures))
+    return write_results(exp, plan.reported_cells(), out_dir, failures, plan=plan)[1]
+
+
 def _run_tuned(exp: Experiment, *, output, tasks, methods, settings, dry_run, tables_only, progress, log, train_fn,
                poll_s) -> ExperimentRun:
     """A grid with learning-rate tuning: train what the finished runs unlock until every group is decided."""
@@ -220,8 +229,7 @@ def _run_tuned(exp: Experiment, *, output, tasks, methods, settings, dry_run, ta
             _train_cell(cell, run, train_fn, progress, log, tag)
         finally:
             release(Path(cell.config.output))
-        write_results(exp, plan.reported_cells(), out_dir, run.failures, plan=plan)
-    plan = Plan(exp, out_dir, tasks=tasks, methods=methods, settings=settings, failed=list(run.failures))
-    _, run.table = write_results(exp, plan.reported_cells(), out_dir, run.failures, plan=plan)
+        _write_tuned_tables(exp, out_dir, run.failures)
+    run.table = _write_tuned_tables(exp, out_dir, run.failures)
     log(f"[experiment] {len(run.ran)} trained, {len(run.failures)} failed; results in {out_dir / 'results.md'}")
     return run

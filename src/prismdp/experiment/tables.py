@@ -28,8 +28,8 @@ from .columns import CANONICAL, COLUMN_LABELS, GROUPS, table_scores
 from .figure import have_matplotlib, save_paired_figure
 from .grid import Cell, Experiment, Setting
 
-__all__ = ["CellResult", "Pair", "paired_differences", "read_cell", "result_rows", "write_csv", "build_table", "render_markdown", "render_latex",
-           "write_results", "COLUMN_LABELS", "CSV_FIELDS"]
+__all__ = ["CellResult", "Pair", "paired_differences", "read_cell", "result_rows", "write_csv", "build_table",
+           "render_markdown", "render_latex", "write_results", "COLUMN_LABELS", "CSV_FIELDS"]
 
 CSV_FIELDS = ["cell_id", "task_id", "task", "method", "method_label", "setting", "dp", "epsilon_target", "seed",
               "lr", "column", "metric", "value", "epsilon_spent", "delta", "noise_multiplier", "steps", "mean_step_time_s",
