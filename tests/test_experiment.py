@@ -504,8 +504,9 @@ def test_a_tuned_run_of_a_subset_writes_the_tables_of_the_whole_grid(tmp_path):
             "steps": 1, "privacy": {"private": cfg.dp}, "eval": {"val": {"score": 0.5 + cfg.lr}},
             "scores": {"sst2": 0.5 + cfg.lr}}))
 
-    exp = load_experiment({"name": "T", "output": str(tmp_path), "tasks": {"sst2": {}}, "methods": ["prism", "dp-adamw"],
-                           "privacy": [3], "seeds": [1], "lrs": [1e-3, 3e-3], "tune": {"by": "val", "widen": 0}})
+    exp = load_experiment({"name": "T", "output": str(tmp_path), "tasks": {"sst2": {}},
+                           "methods": ["prism", "dp-adamw"], "privacy": [3], "seeds": [1], "lrs": [1e-3, 3e-3],
+                           "tune": {"by": "val", "widen": 0}})
     run_experiment(exp, methods=["dp-adamw"], progress=False, log=lambda *a: None, train_fn=fake_train)
     run_experiment(exp, methods=["prism"], progress=False, log=lambda *a: None, train_fn=fake_train)
     md = (tmp_path / "results.md").read_text()
