@@ -469,23 +469,25 @@ def test_paired_figure_puts_each_seeds_difference_on_its_methods_row(tmp_path):
     assert ("qqp", round(y["ε=3  FFA"])) not in dots
 
 
+def _train_scoring_lr(cfg, resume=False, progress=False, log=None):
+    """A fake trainer: writes the run folder of ``cfg`` with val and test score 0.5 + lr (the largest rate wins)."""
+    folder = Path(cfg.output)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (folder / "summary.json").write_text(json.dumps({
+        "steps": 1, "privacy": {"private": cfg.dp}, "eval": {"val": {"score": 0.5 + cfg.lr}},
+        "scores": {cfg.task: 0.5 + cfg.lr}}))
+
+
 def test_excluded_groups_are_not_in_the_plan_nor_in_the_learning_rate_table(tmp_path):
     """`exclude` leaves a (task, method, setting) out: no tuning row for it (it used to show as a row of '…'
     forever), and the plan is done once the other groups are."""
     from prismdp.experiment.tuning import Plan
 
-    def fake_train(cfg, resume=False, progress=False, log=None):
-        folder = Path(cfg.output)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
-        (folder / "summary.json").write_text(json.dumps({
-            "steps": 1, "privacy": {"private": cfg.dp}, "eval": {"val": {"score": 0.5 + cfg.lr}},
-            "scores": {cfg.task: 0.5 + cfg.lr}}))
-
     exp = load_experiment({"name": "T", "output": str(tmp_path), "tasks": {"sst2": {}, "qqp": {}},
                            "methods": ["prism", "dp-adamw"], "privacy": [3], "seeds": [1],
                            "lrs": [1e-3, 3e-3], "tune": {"by": "val", "widen": 0}, "exclude": ["qqp__dp-adamw__*"]})
-    run_experiment(exp, progress=False, log=lambda *a: None, train_fn=fake_train)
+    run_experiment(exp, progress=False, log=lambda *a: None, train_fn=_train_scoring_lr)
     plan = Plan(exp, tmp_path)
     assert set(plan.groups) == {("sst2", "prism", "eps3"), ("sst2", "dp-adamw", "eps3"), ("qqp", "prism", "eps3")}
     assert plan.done()
@@ -496,19 +498,11 @@ def test_excluded_groups_are_not_in_the_plan_nor_in_the_learning_rate_table(tmp_
 def test_a_tuned_run_of_a_subset_writes_the_tables_of_the_whole_grid(tmp_path):
     """`--methods prism` on a tuned grid whose DP-AdamW cells are done must not drop DP-AdamW from results.md /
     results.csv (every process of a grid rewrites them; each used to write only its own subset)."""
-    def fake_train(cfg, resume=False, progress=False, log=None):
-        folder = Path(cfg.output)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
-        (folder / "summary.json").write_text(json.dumps({
-            "steps": 1, "privacy": {"private": cfg.dp}, "eval": {"val": {"score": 0.5 + cfg.lr}},
-            "scores": {"sst2": 0.5 + cfg.lr}}))
-
     exp = load_experiment({"name": "T", "output": str(tmp_path), "tasks": {"sst2": {}},
                            "methods": ["prism", "dp-adamw"], "privacy": [3], "seeds": [1], "lrs": [1e-3, 3e-3],
                            "tune": {"by": "val", "widen": 0}})
-    run_experiment(exp, methods=["dp-adamw"], progress=False, log=lambda *a: None, train_fn=fake_train)
-    run_experiment(exp, methods=["prism"], progress=False, log=lambda *a: None, train_fn=fake_train)
+    run_experiment(exp, methods=["dp-adamw"], progress=False, log=lambda *a: None, train_fn=_train_scoring_lr)
+    run_experiment(exp, methods=["prism"], progress=False, log=lambda *a: None, train_fn=_train_scoring_lr)
     md = (tmp_path / "results.md").read_text()
     assert "| ε=3 | PRISM |" in md and "|  | AdamW |" in md
     assert {r["method"] for r in csv.DictReader(open(tmp_path / "results.csv"))} == {"prism", "dp-adamw"}
