@@ -441,13 +441,12 @@ def test_paired_figure_puts_each_seeds_difference_on_its_methods_row(tmp_path):
                            "methods": ["prism", "dp-adamw", "ffa"], "privacy": [3, "non-dp"], "seeds": [1, 2]})
     cells = exp.cells()
     base = {"prism": 0.80, "dp-adamw": 0.70, "ffa": 0.75}
-    score = {}
     for c in cells:
         if c.task_id == "qqp" and c.method == "ffa":
             continue  # no FFA on QQP: its rows stay empty in that panel
-        score[c.id] = base[c.method] + 0.01 * c.seed * (c.method == "prism") + (0.05 if c.setting.dp else 0.0) \
+        score = base[c.method] + 0.01 * c.seed * (c.method == "prism") + (0.05 if c.setting.dp else 0.0) \
             + (0.1 if c.task_id == "qqp" else 0.0)
-        _fake_cell(c, {c.task_id: score[c.id]})
+        _fake_cell(c, {c.task_id: score})
     write_results(exp, cells, tmp_path)
     assert (tmp_path / "paired.png").stat().st_size > 1000
     pairs = paired_differences(exp, cells, [r for r in (read_cell(c) for c in cells) if r is not None])
