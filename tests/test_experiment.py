@@ -505,3 +505,23 @@ def test_a_tuned_run_of_a_subset_writes_the_tables_of_the_whole_grid(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "| ε=3 | PRISM |" in md and "|  | AdamW |" in md
     assert {r["method"] for r in csv.DictReader(open(tmp_path / "results.csv"))} == {"prism", "dp-adamw"}
+
+
+def test_cost_of_privacy_is_each_methods_non_dp_mean_minus_its_private_mean(tmp_path):
+    """results.md's cost table: per task and method, the non-DP mean, then per privacy level the private mean and
+    non-DP minus it; a method without a private run at a level shows '–' there."""
+    exp = load_experiment({"name": "T", "output": str(tmp_path), "tasks": {"sst2": {}},
+                           "methods": ["prism", "dp-adamw"], "privacy": [3, 6, "non-dp"], "seeds": [1, 2]})
+    cells = exp.cells()
+    base = {"prism": 0.84, "dp-adamw": 0.85}
+    drop = {("prism", 3): 0.03, ("prism", 6): 0.02, ("dp-adamw", 3): 0.07, ("dp-adamw", 6): None}
+    for c in cells:
+        if c.setting.dp and drop[(c.method, int(c.setting.epsilon))] is None:
+            continue  # no AdamW run at epsilon 6
+        cost = drop[(c.method, int(c.setting.epsilon))] if c.setting.dp else 0.0
+        _fake_cell(c, {"sst2": base[c.method] - cost + (0.01 if c.seed == 2 else -0.01)})
+    write_results(exp, cells, tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    assert "| Task | Method | Non-DP | ε=3 | cost | ε=6 | cost |" in md
+    assert "| SST-2 | PRISM | 0.840 | 0.810 | 0.030 | 0.820 | 0.020 |" in md
+    assert "| SST-2 | AdamW | 0.850 | 0.780 | 0.070 | – | – |" in md

@@ -29,7 +29,7 @@ from .figure import have_matplotlib, save_paired_figure
 from .grid import Cell, Experiment, Setting
 
 __all__ = ["CellResult", "Pair", "paired_differences", "read_cell", "result_rows", "write_csv", "build_table",
-           "render_markdown", "render_latex", "write_results", "COLUMN_LABELS", "CSV_FIELDS"]
+           "render_markdown", "render_latex", "render_privacy_cost", "write_results", "COLUMN_LABELS", "CSV_FIELDS"]
 
 CSV_FIELDS = ["cell_id", "task_id", "task", "method", "method_label", "setting", "dp", "epsilon_target", "seed",
               "lr", "column", "metric", "value", "epsilon_spent", "delta", "noise_multiplier", "steps", "mean_step_time_s",
@@ -421,6 +421,29 @@ def render_paired(exp: Experiment, pairs: Sequence[Pair]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_privacy_cost(t: Table) -> str:
+    """What privacy costs each method: its non-DP mean minus its mean at each privacy level, per task column (the
+    means of the main table).  Not paired by seed: each setting has its own tuned rate and, for DP, its own noise."""
+    nondp = next((rows for st, rows in t.blocks if not st.dp), None)
+    private = [(st, {r.method: r for r in rows}) for st, rows in t.blocks if st.dp]
+    if not nondp or not private:
+        return ""
+    head = " | ".join(f"{st.label} | cost" for st, _ in private)
+    lines = ["", "## Cost of privacy: non-DP minus private, per method", "",
+             "Per task column, each method's mean score without privacy and at each privacy level, and the cost = "
+             "non-DP minus private (positive = privacy loses that much).", "",
+             f"| Task | Method | Non-DP | {head} |", "|---|---|---:|" + "---:|---:|" * len(private)]
+    for col in t.columns:
+        for r in nondp:
+            base = r.cells.get(col)
+            theirs = [by[r.method].cells.get(col) if r.method in by else None for _, by in private]
+            if base is None or all(s is None for s in theirs):
+                continue
+            entries = " | ".join("– | –" if s is None else f"{s.mean:.3f} | {base.mean - s.mean:.3f}" for s in theirs)
+            lines.append(f"| {COLUMN_LABELS.get(col, col)} | {r.label} | {base.mean:.3f} | {entries} |")
+    return "\n".join(lines) + "\n"
+
+
 def write_results(exp: Experiment, cells: Sequence[Cell], out_dir: Path,
                   failures: Optional[Dict[str, str]] = None, plan=None) -> Tuple[List[CellResult], Table]:
     """Read every finished cell and write ``results.csv``, ``results.md`` and ``results.tex`` into ``out_dir``, and
@@ -435,7 +458,7 @@ def write_results(exp: Experiment, cells: Sequence[Cell], out_dir: Path,
     write_csv(out_dir / "results.csv", result_rows(exp, every))
     table = build_table(exp, cells, results, failures)
     pairs = paired_differences(exp, cells, results)
-    md = render_markdown(table) + render_paired(exp, pairs)
+    md = render_markdown(table) + render_paired(exp, pairs) + render_privacy_cost(table)
     if plan is not None:
         md += render_tuning(exp, plan)
     write_text(out_dir / "results.md", md + render_runtime(exp, cells, results))
