@@ -525,3 +525,30 @@ def test_cost_of_privacy_is_each_methods_non_dp_mean_minus_its_private_mean(tmp_
     assert "| Task | Method | Non-DP | ε=3 | cost | ε=6 | cost |" in md
     assert "| SST-2 | PRISM | 0.840 | 0.810 | 0.030 | 0.820 | 0.020 |" in md
     assert "| SST-2 | AdamW | 0.850 | 0.780 | 0.070 | – | – |" in md
+
+
+def test_pooled_sign_test_counts_every_paired_seed_and_drops_ties(tmp_path):
+    """The pooled table: AdamW's 12 private pairs (2 tasks x 2 epsilons x 3 seeds) = 10 PRISM wins, 1 loss, 1 tie ->
+    sign test on 10 of 11: p = 2 (1 + 11) / 2^11; its 6 non-DP pairs all lost: p = 2 / 2^6.  FFA, compared on one
+    (task, setting) only, is not pooled."""
+    import math
+
+    exp = load_experiment({"name": "T", "output": str(tmp_path), "tasks": {"sst2": {}, "qqp": {}},
+                           "methods": ["prism", "dp-adamw", "ffa"], "privacy": [3, 6, "non-dp"], "seeds": [1, 2, 3]})
+    cells = exp.cells()
+    gaps = iter([0.02] * 5 + [-0.04] + [0.02] * 5 + [0.0])  # PRISM minus AdamW, private cells in grid order
+    for c in cells:
+        if c.method == "ffa" and (c.task_id, c.setting.key) != ("sst2", "eps3"):
+            continue
+        if c.method == "dp-adamw":
+            gap = next(gaps) if c.setting.dp else -0.01
+        else:
+            gap = 0.01 if c.method == "ffa" else 0.0
+        _fake_cell(c, {c.task_id: 0.5 - gap})
+    write_results(exp, cells, tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    pooled = md.split("## Pooled over tasks")[1].split("\n## ")[0]
+    p_private, p_nondp = 2 * (math.comb(11, 0) + math.comb(11, 1)) / 2 ** 11, 2 / 2 ** 6
+    assert f"| AdamW | ε=3 + ε=6 | 12 | 10 | 1 | +0.013 | {p_private:.3f} |" in pooled
+    assert f"| AdamW | Non-DP | 6 | 0 | 6 | -0.010 | {p_nondp:.3f} |" in pooled
+    assert "FFA" not in pooled

@@ -29,7 +29,8 @@ from .figure import have_matplotlib, save_paired_figure
 from .grid import Cell, Experiment, Setting
 
 __all__ = ["CellResult", "Pair", "paired_differences", "read_cell", "result_rows", "write_csv", "build_table",
-           "render_markdown", "render_latex", "render_privacy_cost", "write_results", "COLUMN_LABELS", "CSV_FIELDS"]
+           "render_markdown", "render_latex", "render_pooled", "render_privacy_cost", "write_results", "COLUMN_LABELS",
+           "CSV_FIELDS"]
 
 CSV_FIELDS = ["cell_id", "task_id", "task", "method", "method_label", "setting", "dp", "epsilon_target", "seed",
               "lr", "column", "metric", "value", "epsilon_spent", "delta", "noise_multiplier", "steps", "mean_step_time_s",
@@ -421,6 +422,38 @@ def render_paired(exp: Experiment, pairs: Sequence[Pair]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_pooled(exp: Experiment, pairs: Sequence[Pair]) -> str:
+    """The paired differences of each method pooled over tasks: once over every private setting, once without
+    privacy; with the exact two-sided sign test of "neither method is better" (ties dropped).  Only methods compared
+    on more than one (task, setting) are listed.  The pooled pairs come from different tasks and settings, each
+    method's rate tuned on seed 42's validation split; the p-value does not correct for the methods compared."""
+    from scipy.stats import binomtest
+
+    groups: Dict[Tuple[str, bool], List[Pair]] = {}
+    for p in pairs:
+        groups.setdefault((p.method, p.setting.dp), []).append(p)
+    ours = exp.label(exp.compare) if exp.compare else ""
+    lines = ["", f"## Pooled over tasks: {ours} minus each method", "",
+             "Every paired seed of the table above, pooled per method over the task columns and the private settings "
+             f"(and apart, without privacy); wins/losses = seeds where {ours} scores higher/lower; sign test = exact "
+             "two-sided binomial test of wins against losses at 1/2 (ties dropped).", "",
+             "| vs | settings | pairs | wins | losses | Δ mean | sign test p |", "|---|---|---:|---:|---:|---:|---:|"]
+    rows = 0
+    for method in exp.methods:
+        for dp in (True, False):
+            ps = groups.get((method, dp), [])
+            if len(ps) < 2:
+                continue
+            diffs = [x for p in ps for x in p.diffs]
+            wins, losses = sum(x > 0 for x in diffs), sum(x < 0 for x in diffs)
+            pval = binomtest(wins, wins + losses, 0.5).pvalue if wins + losses else float("nan")
+            where = " + ".join(dict.fromkeys(p.setting.label for p in ps))
+            lines.append(f"| {exp.label(method)} | {where} | {len(diffs)} | {wins} | {losses} | "
+                         f"{statistics.fmean(diffs):+.3f} | {pval:.3f} |")
+            rows += 1
+    return "\n".join(lines) + "\n" if rows else ""
+
+
 def render_privacy_cost(t: Table) -> str:
     """What privacy costs each method: its non-DP mean minus its mean at each privacy level, per task column (the
     means of the main table).  Not paired by seed: each setting has its own tuned rate and, for DP, its own noise."""
@@ -439,7 +472,8 @@ def render_privacy_cost(t: Table) -> str:
             theirs = [by[r.method].cells.get(col) if r.method in by else None for _, by in private]
             if base is None or all(s is None for s in theirs):
                 continue
-            entries = " | ".join("– | –" if s is None else f"{s.mean:.3f} | {base.mean - s.mean:.3f}" for s in theirs)
+            entries = " | ".join("– | –" if s is None else f"{s.mean:.3f} | {base.mean - s.mean:.3f}"
+                                 for s in theirs)
             lines.append(f"| {COLUMN_LABELS.get(col, col)} | {r.label} | {base.mean:.3f} | {entries} |")
     return "\n".join(lines) + "\n"
 
@@ -458,7 +492,8 @@ def write_results(exp: Experiment, cells: Sequence[Cell], out_dir: Path,
     write_csv(out_dir / "results.csv", result_rows(exp, every))
     table = build_table(exp, cells, results, failures)
     pairs = paired_differences(exp, cells, results)
-    md = render_markdown(table) + render_paired(exp, pairs) + render_privacy_cost(table)
+    md = render_markdown(table) + render_paired(exp, pairs) + render_pooled(exp, pairs)
+    md += render_privacy_cost(table)
     if plan is not None:
         md += render_tuning(exp, plan)
     write_text(out_dir / "results.md", md + render_runtime(exp, cells, results))
