@@ -425,8 +425,8 @@ def render_paired(exp: Experiment, pairs: Sequence[Pair]) -> str:
 def render_pooled(exp: Experiment, pairs: Sequence[Pair]) -> str:
     """The paired differences of each method pooled over tasks: once over every private setting, once without
     privacy; with the exact two-sided sign test of "neither method is better" (ties dropped).  Only methods compared
-    on more than one (task, setting) are listed.  The pooled pairs come from different tasks and settings, each
-    method's rate tuned on seed 42's validation split; the p-value does not correct for the methods compared."""
+    on more than one (task, setting) are listed.  The test takes the pooled pairs as independent (different tasks,
+    settings or seeds); its p-value is not corrected for the several methods compared."""
     from scipy.stats import binomtest
 
     groups: Dict[Tuple[str, bool], List[Pair]] = {}
