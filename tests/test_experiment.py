@@ -552,3 +552,21 @@ def test_pooled_sign_test_counts_every_paired_seed_and_drops_ties(tmp_path):
     assert f"| AdamW | ε=3 + ε=6 | 12 | 10 | 1 | +0.013 | {p_private:.3f} |" in pooled
     assert f"| AdamW | Non-DP | 6 | 0 | 6 | -0.010 | {p_nondp:.3f} |" in pooled
     assert "FFA" not in pooled
+
+
+def test_bold_avg_goes_to_the_best_complete_row_not_to_a_daggered_one(tmp_path):
+    """LAMB runs on SST-2 only: its Avg (0.9, one column) is not comparable with the two-column Avgs, so it is not
+    bold even though larger; PRISM's (0.7) is.  Each column's best is still bold on its own."""
+    exp = load_experiment({"name": "T", "output": str(tmp_path), "tasks": {"sst2": {}, "qqp": {}},
+                           "methods": ["prism", "dp-adamw", "lamb"], "privacy": [3], "seeds": [1]})
+    cells = exp.cells()
+    scores = {("prism", "sst2"): 0.8, ("prism", "qqp"): 0.6, ("dp-adamw", "sst2"): 0.7, ("dp-adamw", "qqp"): 0.5,
+              ("lamb", "sst2"): 0.9}
+    for c in cells:
+        if (c.method, c.task_id) in scores:
+            _fake_cell(c, {c.task_id: scores[(c.method, c.task_id)]})
+    write_results(exp, cells, tmp_path)
+    rows = {line.split("|")[2].strip(): line for line in (tmp_path / "results.md").read_text().splitlines()
+            if line.startswith("| ") and line.count("|") == 6}
+    assert rows["PRISM"].endswith("| **0.700** |") and rows["AdamW"].endswith("| 0.600 |")
+    assert rows["LAMB"].endswith("| 0.900† |") and "| **0.900** |" in rows["LAMB"]  # its SST-2 is the column's best

@@ -199,8 +199,10 @@ def build_table(exp: Experiment, cells: Sequence[Cell], results: Sequence[CellRe
             rows.append(Row(method, exp.label(method), stats, _stat(avgs), incomplete))
         if len(rows) >= 2:
             for key in [*columns, "__avg__"]:
+                # an Avg over fewer columns (dagger) is not comparable: only complete rows compete for the bold Avg
                 vals = [(round((r.avg if key == "__avg__" else r.cells.get(key)).mean, 3), r) for r in rows
-                        if (r.avg if key == "__avg__" else r.cells.get(key)) is not None]
+                        if (r.avg if key == "__avg__" else r.cells.get(key)) is not None
+                        and not (key == "__avg__" and r.incomplete)]
                 if vals:
                     best = max(v for v, _ in vals)
                     for v, r in vals:
@@ -227,7 +229,7 @@ def _caption(t: Table) -> str:
 def _notes(t: Table, tex: bool = False) -> List[str]:
     notes = []
     if any(r.incomplete for _, rows in t.blocks for r in rows):
-        notes.append("† Avg over the columns this row has (some columns missing).")
+        notes.append("† Avg over the columns this row has (some columns missing; not in the running for the bold Avg).")
     for k, v in t.missing.items():
         notes.append(f"{COLUMN_LABELS.get(k, k)} ({k}) not evaluated: {v}")
     if t.pending:
