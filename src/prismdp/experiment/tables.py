@@ -199,10 +199,11 @@ def build_table(exp: Experiment, cells: Sequence[Cell], results: Sequence[CellRe
             rows.append(Row(method, exp.label(method), stats, _stat(avgs), incomplete))
         if len(rows) >= 2:
             for key in [*columns, "__avg__"]:
-                # an Avg over fewer columns (dagger) is not comparable: only complete rows compete for the bold Avg
-                vals = [(round((r.avg if key == "__avg__" else r.cells.get(key)).mean, 3), r) for r in rows
-                        if (r.avg if key == "__avg__" else r.cells.get(key)) is not None
-                        and not (key == "__avg__" and r.incomplete)]
+                if key == "__avg__":  # an Avg over fewer columns (dagger) is not comparable: complete rows only
+                    cands = [(r.avg, r) for r in rows if not r.incomplete]
+                else:
+                    cands = [(r.cells.get(key), r) for r in rows]
+                vals = [(round(stat.mean, 3), r) for stat, r in cands if stat is not None]
                 if vals:
                     best = max(v for v, _ in vals)
                     for v, r in vals:
@@ -431,10 +432,12 @@ def render_pooled(exp: Experiment, pairs: Sequence[Pair]) -> str:
     settings or seeds); its p-value is not corrected for the several methods compared."""
     from scipy.stats import binomtest
 
+    if not pairs:
+        return ""
     groups: Dict[Tuple[str, bool], List[Pair]] = {}
     for p in pairs:
         groups.setdefault((p.method, p.setting.dp), []).append(p)
-    ours = exp.label(exp.compare) if exp.compare else ""
+    ours = exp.label(exp.compare)
     lines = ["", f"## Pooled over tasks: {ours} minus each method", "",
              "Every paired seed of the table above, pooled per method over the task columns and the private settings "
              f"(and apart, without privacy); wins/losses = seeds where {ours} scores higher/lower; sign test = exact "
