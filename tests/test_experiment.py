@@ -570,3 +570,84 @@ def test_bold_avg_goes_to_the_best_complete_row_not_to_a_daggered_one(tmp_path):
             if line.startswith("| ") and line.count("|") == 6}
     assert rows["PRISM"].endswith("| **0.700** |") and rows["AdamW"].endswith("| 0.600 |")
     assert rows["LAMB"].endswith("| 0.900† |") and "| **0.900** |" in rows["LAMB"]  # its SST-2 is the column's best
+
+
+def _train_qqp_like(cfg, resume=False, progress=False, log=None):
+    """A fake trainer with a QQP-like `val`: accuracy and F1 whose mean (the eval set's score, what tuning reads)
+    peaks at lr 1e-3 while accuracy alone peaks at 3e-3; the reported `test` differs by seed and method."""
+    import math
+
+    x = math.log10(cfg.lr)
+    acc, f1 = 0.7 - 0.02 * abs(x + 2.5), 0.6 - 0.2 * abs(x + 3)
+    dev = acc - 0.01 * (cfg.seed - 1) + (0.02 if cfg.method == "prism" else 0.0)
+    folder = Path(cfg.output)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
+    priv = {"private": cfg.dp, **({"epsilon": 2.99, "delta": 1e-5, "noise_multiplier": 0.7} if cfg.dp else {})}
+    (folder / "summary.json").write_text(json.dumps({
+        "steps": cfg.steps, "privacy": priv, "eval_time_s": 1.5, "train": {"peak_memory_mb": 100.0 + cfg.seed},
+        "eval": {"val": {"accuracy": acc, "f1": f1, "score": (acc + f1) / 2, "n": 1000},
+                 "test": {"accuracy": dev, "f1": 0.5, "score": (dev + 0.5) / 2, "n": 2000}}}))
+    (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "step_time_s": 0.1 * cfg.seed})
+                                                  + "\n" for s in range(1, cfg.steps + 1)))
+
+
+def _qqp_grid(out):
+    return {"name": "T", "output": str(out), "tasks": {"qqp": {"holdout_test": 20}}, "base": {"steps": 2},
+            "methods": ["prism", "dp-adamw"], "privacy": [3, "non-dp"], "seeds": [1, 2],
+            "lrs": [3e-4, 1e-3, 3e-3, 1e-2], "tune": {"by": "val", "widen": 1}}
+
+
+def _never_train(*a, **k):
+    raise AssertionError("a cell kept in --results-from was trained again")
+
+
+def test_a_grid_rebuilt_from_its_results_csv_alone_gives_the_same_tables_and_trains_nothing(tmp_path):
+    """Run folders gone, results.csv kept: `--results-from` must give byte-identical results.csv / results.md (the
+    same rates chosen: QQP's val score is (acc + F1) / 2, recomputed from the metrics the csv keeps; accuracy alone
+    would choose 3e-3 instead of 1e-3), count every cell as done, and a grid split in two folders (one per method,
+    e.g. two machines) merges into the tables of the whole grid."""
+    whole = tmp_path / "whole"
+    exp = load_experiment(_qqp_grid(whole))
+    run_experiment(exp, progress=False, log=lambda *a: None, train_fn=_train_qqp_like)
+    md = (whole / "results.md").read_text()
+    assert "| qqp | ε=3 | PRISM | 0.5875 | **0.6450** | 0.6021 | 0.5450 | 0.001 |" in md  # val (acc + F1) / 2
+    rebuilt = tmp_path / "rebuilt"
+    run = run_experiment(load_experiment(_qqp_grid(rebuilt)), progress=False, log=lambda *a: None,
+                         train_fn=_never_train, results_from=[str(whole / "results.csv")])
+    assert not run.failures and not run.ran
+    assert (rebuilt / "results.md").read_text() == md
+    assert (rebuilt / "results.csv").read_text() == (whole / "results.csv").read_text()
+
+    # split: AdamW's cells on one machine, PRISM's on another; merged with the other's csv
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_experiment(load_experiment(_qqp_grid(a)), methods=["dp-adamw"], progress=False, log=lambda *x: None,
+                   train_fn=_train_qqp_like)
+    run_experiment(load_experiment(_qqp_grid(b)), methods=["prism"], progress=False, log=lambda *x: None,
+                   train_fn=_train_qqp_like)
+    run_experiment(load_experiment(_qqp_grid(b)), progress=False, log=lambda *x: None, train_fn=_never_train,
+                   results_from=[str(a / "results.csv")])
+    assert (b / "results.md").read_text() == md
+
+    # a grid without tuning, the same way
+    plain = {**_qqp_grid(tmp_path / "plain"), "base": {"steps": 2, "lr": 1e-3}}
+    del plain["lrs"], plain["tune"]
+    run_experiment(load_experiment(plain), progress=False, log=lambda *x: None, train_fn=_train_qqp_like)
+    again = load_experiment({**plain, "output": str(tmp_path / "plain2")})
+    run = run_experiment(again, progress=False, log=lambda *x: None, train_fn=_never_train,
+                         results_from=[str(tmp_path / "plain" / "results.csv")])
+    assert len(run.skipped) == 8 and not run.ran and not run.failures
+    assert (tmp_path / "plain2" / "results.md").read_text() == (tmp_path / "plain" / "results.md").read_text()
+
+
+def test_results_from_a_different_grid_is_an_error_naming_the_file_and_cell(tmp_path, capsys):
+    whole = tmp_path / "whole"
+    run_experiment(load_experiment(_qqp_grid(whole)), progress=False, log=lambda *a: None, train_fn=_train_qqp_like)
+    kept = str(whole / "results.csv")
+    longer = load_experiment(_qqp_grid(tmp_path / "other"), {"steps": 3})
+    with pytest.raises(ConfigError, match=r"results\.csv: cell qqp__prism__eps3__lr0\.0003__seed1 differs .*steps 2 vs 3"):
+        run_experiment(longer, progress=False, log=lambda *a: None, train_fn=_never_train, results_from=[kept])
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(yaml.safe_dump(_qqp_grid(tmp_path / "other")))
+    assert main(["experiment", str(grid), "--dry-run", "--results-from", str(tmp_path / "nope.csv")]) == 2
+    assert "no such file" in capsys.readouterr().err

@@ -82,6 +82,9 @@ def _add_experiment(sub) -> None:
     p.add_argument("--seeds", type=csv_list, help="only these seeds")
     p.add_argument("--dry-run", action="store_true", help="list the selected cells and whether they are done")
     p.add_argument("--tables-only", action="store_true", help="train nothing; rebuild the tables from OUT")
+    p.add_argument("--results-from", action="append", default=[], metavar="CSV",
+                   help="an earlier results.csv of this grid (repeatable): its cells count as done and are reported "
+                        "from it (a grid split across machines, or run folders deleted)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -185,7 +188,8 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
         raise ValueError(f"--seeds: expected integers, got {args.seeds}") from None
     settings = [parse_setting(s) for s in args.privacy] if args.privacy else None
     run = run_experiment(exp, output=args.output, tasks=args.tasks, methods=args.methods, settings=settings,
-                         seeds=seeds, dry_run=args.dry_run, tables_only=args.tables_only, progress=not args.quiet)
+                         seeds=seeds, dry_run=args.dry_run, tables_only=args.tables_only, progress=not args.quiet,
+                         results_from=args.results_from)
     if run.table is not None:
         print((run.output / "results.md").read_text(), end="")
     for cell_id, why in run.failures.items():

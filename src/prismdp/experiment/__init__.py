@@ -2,7 +2,9 @@
 
 * :mod:`.grid` -- the YAML format (methods x privacy settings x tasks x seeds) and one TrainConfig per cell;
 * :mod:`.runner` -- trains the cells into ``OUT/<cell id>/``, skipping finished ones, resuming interrupted ones;
-* :mod:`.tables` -- ``results.csv`` and the Table-2 style ``results.md`` / ``results.tex``.
+* :mod:`.tables` -- ``results.csv`` and the Table-2 style ``results.md`` / ``results.tex``;
+* :mod:`.tuning` -- the learning rate of each (task, method, setting) chosen on held-out training data;
+* :mod:`.archive` -- finished cells read back from an earlier ``results.csv`` (``--results-from``).
 
 Shipped grids: ``configs/paper-gemma3-4b.yaml`` (the paper's Appendix B setting) and the CPU stand-ins
 ``configs/cpu-minilm-glue.yaml`` and ``configs/cpu-smollm2-math.yaml``.

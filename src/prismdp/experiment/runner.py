@@ -5,6 +5,7 @@ done and skipped -- unless its saved ``config.json`` disagrees with the grid's c
 which is reported as a failure (delete the folder, or use another ``--output``) rather than silently mixing results
 of different settings.  A cell with a ``checkpoint.pt`` but no summary was interrupted and is resumed; one with
 neither (stopped before its first checkpoint) is restarted.  A failing cell is reported and the others still run.
+Cells kept in an earlier results.csv (``results_from``, :mod:`prismdp.experiment.archive`) count as done.
 ``OUT/experiment.json`` records the grid; ``OUT/results.csv``, ``results.md`` and ``results.tex`` are rewritten
 after every cell (see :mod:`prismdp.experiment.tables`).  With ``tune`` in the file the cells to train are decided
 as results arrive (:mod:`prismdp.experiment.tuning`).
@@ -27,8 +28,10 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 from ..atomic import write_json
+from .archive import Archive
 from .grid import Cell, Experiment, Setting
 from .tables import Table, write_results
+from .tuning import Plan, is_done
 
 __all__ = ["run_experiment", "ExperimentRun", "config_mismatch", "claim", "release"]
 
@@ -109,9 +112,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _train_cell(cell: Cell, run: "ExperimentRun", train_fn, progress: bool, log, tag: str) -> None:
+def _train_cell(cell: Cell, run: "ExperimentRun", train_fn, progress: bool, log, tag: str, archive=None) -> None:
     """Skip a finished cell (or report a configuration mismatch), else train / resume it; record the outcome."""
     folder = Path(cell.config.output)
+    kept = archive.get(cell) if archive and not (folder / "summary.json").is_file() else None
+    if kept is not None:
+        run.skipped.append(cell.id)
+        log(f"{tag}: done in {kept.source}, skipped")
+        return
     if (folder / "summary.json").is_file():
         diffs = config_mismatch(cell)
         if diffs:
@@ -143,13 +151,18 @@ def run_experiment(exp: Experiment, *, output: Optional[str] = None, tasks: Opti
                    methods: Optional[Sequence[str]] = None, settings: Optional[Sequence[Setting]] = None,
                    seeds: Optional[Sequence[int]] = None, dry_run: bool = False, tables_only: bool = False,
                    progress: bool = True, log: Callable[[str], None] = print,
-                   train_fn: Optional[Callable] = None, poll_s: float = 30.0) -> ExperimentRun:
-    """Train the selected cells (all by default) that are not done yet; write the tables over the whole grid."""
+                   train_fn: Optional[Callable] = None, poll_s: float = 30.0,
+                   results_from: Sequence[str] = ()) -> ExperimentRun:
+    """Train the selected cells (all by default) that are not done yet; write the tables over the whole grid.
+
+    ``results_from``: earlier results.csv files whose cells count as done (:mod:`prismdp.experiment.archive`)."""
     if train_fn is None:
         from ..train.loop import train as train_fn
+    archive = Archive([Path(p) for p in results_from])
     if exp.tune is not None:
         return _run_tuned(exp, output=output, tasks=tasks, methods=methods, settings=settings, dry_run=dry_run,
-                          tables_only=tables_only, progress=progress, log=log, train_fn=train_fn, poll_s=poll_s)
+                          tables_only=tables_only, progress=progress, log=log, train_fn=train_fn, poll_s=poll_s,
+                          archive=archive)
     out_dir = Path(output if output is not None else exp.output)
     all_cells = exp.cells(str(out_dir))
     chosen = {c.id for c in exp.cells(str(out_dir), tasks=tasks, methods=methods, settings=settings, seeds=seeds)}
@@ -157,7 +170,7 @@ def run_experiment(exp: Experiment, *, output: Optional[str] = None, tasks: Opti
     run = ExperimentRun(out_dir, cells)
     if dry_run:
         for c in cells:
-            state = "done" if (Path(c.config.output) / "summary.json").is_file() else "todo"
+            state = "done" if is_done(c, archive) else "todo"
             log(f"[experiment] {state} {c.id}")
         return run
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -168,36 +181,32 @@ def run_experiment(exp: Experiment, *, output: Optional[str] = None, tasks: Opti
     for i, cell in enumerate(todo, 1):
         tag = f"[experiment] ({i}/{len(todo)}) {cell.id}"
         folder = Path(cell.config.output)
-        if not (folder / "summary.json").is_file() and not claim(folder):
+        if not is_done(cell, archive) and not claim(folder):
             log(f"{tag}: being trained by another process, passed over")
             continue
         try:
-            _train_cell(cell, run, train_fn, progress, log, tag)
+            _train_cell(cell, run, train_fn, progress, log, tag, archive)
         finally:
             release(folder)
-        write_results(exp, all_cells, out_dir, run.failures)
-    _, run.table = write_results(exp, all_cells, out_dir, run.failures)
+        write_results(exp, all_cells, out_dir, run.failures, archive=archive)
+    _, run.table = write_results(exp, all_cells, out_dir, run.failures, archive=archive)
     log(f"[experiment] {len(run.ran)} trained, {len(run.skipped)} skipped, {len(run.failures)} failed; results in "
         f"{out_dir / 'results.csv'}, {out_dir / 'results.md'}, {out_dir / 'results.tex'}")
     return run
 
 
-def _write_tuned_tables(exp: Experiment, out_dir: Path, failures):
+def _write_tuned_tables(exp: Experiment, out_dir: Path, failures, archive):
     """The tables over the whole grid, whatever subset (--tasks/--methods/--privacy) this process trains: every
     process writes the same complete results, as the untuned path does."""
-    from .tuning import Plan
-
-    plan = Plan(exp, out_dir, failed=list(failures))
-    return write_results(exp, plan.reported_cells(), out_dir, failures, plan=plan)[1]
+    plan = Plan(exp, out_dir, failed=list(failures), archive=archive)
+    return write_results(exp, plan.reported_cells(), out_dir, failures, plan=plan, archive=archive)[1]
 
 
 def _run_tuned(exp: Experiment, *, output, tasks, methods, settings, dry_run, tables_only, progress, log, train_fn,
-               poll_s) -> ExperimentRun:
+               poll_s, archive) -> ExperimentRun:
     """A grid with learning-rate tuning: train what the finished runs unlock until every group is decided."""
-    from .tuning import Plan
-
     out_dir = Path(output if output is not None else exp.output)
-    plan = Plan(exp, out_dir, tasks=tasks, methods=methods, settings=settings)
+    plan = Plan(exp, out_dir, tasks=tasks, methods=methods, settings=settings, archive=archive)
     run = ExperimentRun(out_dir, plan.todo())
     if dry_run:
         for key, g in plan.groups.items():
@@ -211,9 +220,14 @@ def _run_tuned(exp: Experiment, *, output, tasks, methods, settings, dry_run, ta
         "lrs": exp.lrs, "method_lrs": exp.method_lrs, "tune": dataclasses.asdict(exp.tune)})
     waited = False
     while not tables_only:
-        plan = Plan(exp, out_dir, tasks=tasks, methods=methods, settings=settings, failed=list(run.failures))
+        plan = Plan(exp, out_dir, tasks=tasks, methods=methods, settings=settings, failed=list(run.failures),
+                    archive=archive)
         todo = plan.todo()
         cell = next((c for c in todo if claim(Path(c.config.output))), None)
+        if cell is not None and cell.id in (*run.ran, *run.skipped):  # would loop forever
+            release(Path(cell.config.output))
+            raise RuntimeError(f"prismdp experiment: the plan asks again for {cell.id}, which this process already "
+                               "trained or skipped (a bug: please report it)")
         if cell is None:
             if not todo:
                 break
@@ -226,10 +240,10 @@ def _run_tuned(exp: Experiment, *, output, tasks, methods, settings, dry_run, ta
         waited = False
         tag = f"[experiment] ({len(todo)} to do) {cell.id}"
         try:
-            _train_cell(cell, run, train_fn, progress, log, tag)
+            _train_cell(cell, run, train_fn, progress, log, tag, archive)
         finally:
             release(Path(cell.config.output))
-        _write_tuned_tables(exp, out_dir, run.failures)
-    run.table = _write_tuned_tables(exp, out_dir, run.failures)
+        _write_tuned_tables(exp, out_dir, run.failures, archive)
+    run.table = _write_tuned_tables(exp, out_dir, run.failures, archive)
     log(f"[experiment] {len(run.ran)} trained, {len(run.failures)} failed; results in {out_dir / 'results.md'}")
     return run

@@ -50,11 +50,17 @@ class CellResult:
     peak_memory_mb: Optional[float] = None  # of the training steps (summary.json "train"; absent in older runs)
 
 
-def read_cell(cell: Cell) -> Optional[CellResult]:
-    """The finished run of ``cell`` (None if its ``summary.json`` is absent)."""
+def read_cell(cell: Cell, archive=None) -> Optional[CellResult]:
+    """The finished run of ``cell``: from its run folder, else from ``archive``
+    (:class:`prismdp.experiment.archive.Archive`, an earlier results.csv); None if neither has it."""
     out = Path(cell.config.output)
     if not (out / "summary.json").is_file():
-        return None
+        kept = archive.get(cell) if archive else None
+        if kept is None:
+            return None
+        summary = kept.summary(cell.config.task)
+        return CellResult(cell, summary, kept.config(), dict(kept.scores), kept.mean_step_time_s, {},
+                          summary["train"]["peak_memory_mb"])
     summary = json.loads((out / "summary.json").read_text())
     config = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
     scores = summary.get("scores")
@@ -484,16 +490,17 @@ def render_privacy_cost(t: Table) -> str:
 
 
 def write_results(exp: Experiment, cells: Sequence[Cell], out_dir: Path,
-                  failures: Optional[Dict[str, str]] = None, plan=None) -> Tuple[List[CellResult], Table]:
+                  failures: Optional[Dict[str, str]] = None, plan=None, archive=None) -> Tuple[List[CellResult], Table]:
     """Read every finished cell and write ``results.csv``, ``results.md`` and ``results.tex`` into ``out_dir``, and
     with matplotlib installed the paired comparisons as ``paired.png`` (:mod:`prismdp.experiment.figure`).
 
     With a tuning ``plan`` (:mod:`prismdp.experiment.tuning`), ``cells`` are the reported runs (every seed at each
-    group's chosen rate), results.csv also holds every tuning run, and results.md gains the learning-rate table."""
+    group's chosen rate), results.csv also holds every tuning run, and results.md gains the learning-rate table.
+    Cells without a run folder are read from ``archive`` (an earlier results.csv) where it has them."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = [r for r in (read_cell(c) for c in cells) if r is not None]
+    results = [r for r in (read_cell(c, archive) for c in cells) if r is not None]
     listed = plan.all_cells() if plan is not None else cells
-    every = results if plan is None else [r for r in (read_cell(c) for c in listed) if r is not None]
+    every = results if plan is None else [r for r in (read_cell(c, archive) for c in listed) if r is not None]
     write_csv(out_dir / "results.csv", result_rows(exp, every))
     table = build_table(exp, cells, results, failures)
     pairs = paired_differences(exp, cells, results)

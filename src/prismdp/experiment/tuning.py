@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..train.config import ConfigError
 
-__all__ = ["Tune", "Plan", "GroupState", "next_lr", "eval_score"]
+__all__ = ["Tune", "Plan", "GroupState", "next_lr", "eval_score", "is_done"]
 
 
 @dataclass(frozen=True)
@@ -60,16 +60,27 @@ def next_lr(lrs: Sequence[float], side: str) -> float:
     return float(f"{min(ladder, key=lambda v: abs(math.log10(v / value))):.0e}")
 
 
-def eval_score(cell, on: str) -> Optional[float]:
-    """The run's score on eval set ``on`` (its ``score``, else ``accuracy``); None if unfinished, NaN if not evaluated."""
+def eval_score(cell, on: str, archive=None) -> Optional[float]:
+    """The run's score on eval set ``on`` (its ``score``, else ``accuracy``); None if unfinished, NaN if not evaluated.
+    A cell without a run folder is looked up in ``archive`` (an earlier results.csv, :mod:`.archive`)."""
     path = Path(cell.config.output) / "summary.json"
-    if not path.is_file():
-        return None
-    ev = (json.loads(path.read_text()).get("eval") or {}).get(on)
+    if path.is_file():
+        evals = json.loads(path.read_text()).get("eval") or {}
+    else:
+        kept = archive.get(cell) if archive else None
+        if kept is None:
+            return None
+        evals = kept.summary(cell.config.task)["eval"]
+    ev = evals.get(on)
     if not isinstance(ev, dict):
         return math.nan
     v = ev.get("score", ev.get("accuracy"))
     return float(v) if isinstance(v, (int, float)) else math.nan
+
+
+def is_done(cell, archive=None) -> bool:
+    """Finished: its run folder has a summary.json, or ``archive`` keeps its results."""
+    return (Path(cell.config.output) / "summary.json").is_file() or bool(archive and archive.get(cell))
 
 
 @dataclass
@@ -87,8 +98,8 @@ class Plan:
     """The tuned grid's state, recomputed from the run folders (so it resumes, and processes can share it)."""
 
     def __init__(self, exp, out_root: Path, *, tasks=None, methods=None, settings=None,
-                 failed: Sequence[str] = ()):
-        self.exp, self.out_root, self.failed = exp, Path(out_root), set(failed)
+                 failed: Sequence[str] = (), archive=None):
+        self.exp, self.out_root, self.failed, self.archive = exp, Path(out_root), set(failed), archive
         self.tune = exp.tune
         self.tune_seed = self.tune.seed if self.tune.seed is not None else exp.seeds[0]
         if self.tune_seed not in exp.seeds:
@@ -105,7 +116,7 @@ class Plan:
     def _score(self, cell) -> Optional[float]:
         if cell.id in self.failed:
             return -math.inf  # a failed run does not win, and is not retried by this process
-        return eval_score(cell, self.tune.by)
+        return eval_score(cell, self.tune.by, self.archive)
 
     def _group(self, task_id, method, setting) -> Optional[GroupState]:
         """The group's state; None when the experiment's ``exclude`` leaves it out."""
@@ -129,8 +140,7 @@ class Plan:
                 continue
             g.chosen = best
             g.seed_cells = [self._cell(task_id, method, setting, s, best) for s in self.exp.seeds]
-            g.todo = [c for c in g.seed_cells
-                      if not (Path(c.config.output) / "summary.json").is_file() and c.id not in self.failed]
+            g.todo = [c for c in g.seed_cells if not is_done(c, self.archive) and c.id not in self.failed]
             return g
 
     def refresh(self) -> None:
