@@ -645,7 +645,8 @@ def test_results_from_a_different_grid_is_an_error_naming_the_file_and_cell(tmp_
     run_experiment(load_experiment(_qqp_grid(whole)), progress=False, log=lambda *a: None, train_fn=_train_qqp_like)
     kept = str(whole / "results.csv")
     longer = load_experiment(_qqp_grid(tmp_path / "other"), {"steps": 3})
-    with pytest.raises(ConfigError, match=r"results\.csv: cell qqp__prism__eps3__lr0\.0003__seed1 differs .*steps 2 vs 3"):
+    wrong = r"results\.csv: cell qqp__prism__eps3__lr0\.0003__seed1 differs .*steps 2 vs 3"
+    with pytest.raises(ConfigError, match=wrong):
         run_experiment(longer, progress=False, log=lambda *a: None, train_fn=_never_train, results_from=[kept])
     grid = tmp_path / "grid.yaml"
     grid.write_text(yaml.safe_dump(_qqp_grid(tmp_path / "other")))
