@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -33,8 +34,9 @@ class ArchivedRun:
     scores: Dict[str, float] = field(default_factory=dict)  # table column -> score
     evals: Dict[str, Dict[str, float]] = field(default_factory=dict)  # eval set -> metric -> value
 
-    def summary(self, task: Optional[str]) -> Dict[str, Any]:
-        """The parts of the run's ``summary.json`` that results.csv kept."""
+    @cached_property
+    def summary(self) -> Dict[str, Any]:
+        """The parts of the run's ``summary.json`` that results.csv kept (built once, on first use)."""
         r = self.row
         private = r.get("dp") == "True"
         privacy: Dict[str, Any] = {"private": private}
@@ -44,7 +46,7 @@ class ArchivedRun:
         evals = {name: dict(m) for name, m in self.evals.items()}
         for name, m in evals.items():
             if "score" not in m:  # results.csv keeps the metrics, not the eval set's score
-                m.update(_recomputed_score(task, name, m))
+                m.update(_recomputed_score(r["task"], name, m))
         return {"steps": _int(r.get("steps")), "privacy": privacy, "eval": evals, "scores": dict(self.scores),
                 "eval_time_s": _num(r.get("eval_time_s")), "train": {"peak_memory_mb": _num(r.get("peak_memory_mb"))},
                 "results_from": str(self.source)}
@@ -61,16 +63,15 @@ class Archive:
     """Cell id -> the run kept in one of several ``results.csv`` files (the first file that has the cell wins)."""
 
     def __init__(self, paths: Sequence[Path] = ()):
-        self.paths = [Path(p) for p in paths]
         self.runs: Dict[str, ArchivedRun] = {}
-        for path in self.paths:
+        for path in map(Path, paths):
             if not path.is_file():
                 raise FileNotFoundError(f"--results-from {path}: no such file (a results.csv written by "
                                         "prismdp experiment)")
             mine: Dict[str, ArchivedRun] = {}
             with open(path, newline="", encoding="utf-8") as fh:
                 reader = csv.DictReader(fh)
-                need = {"cell_id", "column", "metric", "value", "steps", "dp", "epsilon_target", "seed", "lr"}
+                need = {"cell_id", "task", "column", "metric", "value", "steps", "dp", "epsilon_target", "seed", "lr"}
                 if not need <= set(reader.fieldnames or ()):
                     raise ConfigError(f"--results-from {path}: not a results.csv of prismdp experiment (columns "
                                       f"{sorted(need - set(reader.fieldnames or ()))} missing)")

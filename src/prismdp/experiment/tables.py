@@ -58,9 +58,8 @@ def read_cell(cell: Cell, archive=None) -> Optional[CellResult]:
         kept = archive.get(cell) if archive else None
         if kept is None:
             return None
-        summary = kept.summary(cell.config.task)
-        return CellResult(cell, summary, kept.config(), dict(kept.scores), kept.mean_step_time_s, {},
-                          summary["train"]["peak_memory_mb"])
+        return CellResult(cell, kept.summary, kept.config(), dict(kept.scores), kept.mean_step_time_s, {},
+                          kept.summary["train"]["peak_memory_mb"])
     summary = json.loads((out / "summary.json").read_text())
     config = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
     scores = summary.get("scores")

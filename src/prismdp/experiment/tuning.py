@@ -70,7 +70,7 @@ def eval_score(cell, on: str, archive=None) -> Optional[float]:
         kept = archive.get(cell) if archive else None
         if kept is None:
             return None
-        evals = kept.summary(cell.config.task)["eval"]
+        evals = kept.summary["eval"]
     ev = evals.get(on)
     if not isinstance(ev, dict):
         return math.nan
