@@ -652,3 +652,40 @@ def test_results_from_a_different_grid_is_an_error_naming_the_file_and_cell(tmp_
     grid.write_text(yaml.safe_dump(_qqp_grid(tmp_path / "other")))
     assert main(["experiment", str(grid), "--dry-run", "--results-from", str(tmp_path / "nope.csv")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_budget_curves_pair_each_seed_at_each_step_budget(tmp_path):
+    """A task trained at two step budgets (task ids sst2 and sst2-x4): results.md's budget table has, per setting and
+    budget, each method's mean ± std and PRISM minus AdamW paired by seed; budget.png has one panel per task with a
+    dot per seed at its step budget (x) and score (y).  Tasks trained at one budget only (cola) are not in it."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.collections import PathCollection
+
+    from prismdp.experiment.budget import budget_figure, budget_points
+    from prismdp.experiment.tables import read_cell
+
+    exp = load_experiment({"name": "B", "output": str(tmp_path),
+                           "tasks": {"sst2": {"steps": 80}, "sst2-x4": {"task": "sst2", "steps": 320},
+                                     "cola": {"steps": 80}},
+                           "methods": ["prism", "dp-adamw"], "privacy": [3, 6], "seeds": [1, 2]})
+    cells = exp.cells()
+    for c in cells:  # PRISM ahead by 0.02 (0.04 on seed 2) at 80 steps, behind by 0.03 at 320 steps; eps 6 +0.1
+        lead = (0.02 + 0.02 * (c.seed == 2)) if c.config.steps == 80 else -0.03
+        score = 0.7 + (0.1 if c.config.steps == 320 else 0.0) + (0.1 if c.setting.epsilon == 6 else 0.0) \
+            + (lead if c.method == "prism" else 0.0) + 0.002 * c.seed
+        _fake_cell(c, {c.config.task: score})
+    write_results(exp, cells, tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    assert "| Task | Setting | Steps | PRISM | AdamW | PRISM − AdamW | wins |" in md
+    assert "| SST-2 | ε=3 | 80 | 0.733 ± 0.016 | 0.703 ± 0.001 | +0.030 | 2/2 |" in md
+    assert "| SST-2 | ε=3 | 320 | 0.773 ± 0.001 | 0.803 ± 0.001 | -0.030 | 0/2 |" in md
+    assert "| SST-2 | ε=6 | 320 | 0.873 ± 0.001 | 0.903 ± 0.001 | -0.030 | 0/2 |" in md
+    assert "| CoLA |" not in md.split("## Step budget")[1]
+    assert (tmp_path / "budget.png").stat().st_size > 1000
+    points = budget_points(exp, cells, [r for r in (read_cell(c) for c in cells) if r is not None])
+    assert {(p.setting_key, p.method, p.steps) for p in points} == {
+        (s, m, n) for s in ("eps3", "eps6") for m in ("prism", "dp-adamw") for n in (80, 320)}
+    (ax,) = budget_figure(exp, points).axes
+    dots = sorted((int(x), round(float(y), 3)) for coll in ax.collections if isinstance(coll, PathCollection)
+                  for x, y in coll.get_offsets())
+    assert len(dots) == 16 and (320, 0.772) in dots and (80, 0.722) in dots and (80, 0.744) in dots

@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..atomic import atomic_path, write_text
 from ..train.profile import WARMUP_STEPS, run_step_times
+from .budget import budget_points, render_budget, save_budget_figure
 from .columns import CANONICAL, COLUMN_LABELS, GROUPS, table_scores
 from .figure import have_matplotlib, save_paired_figure
 from .grid import Cell, Experiment, Setting
@@ -491,7 +492,8 @@ def render_privacy_cost(t: Table) -> str:
 def write_results(exp: Experiment, cells: Sequence[Cell], out_dir: Path,
                   failures: Optional[Dict[str, str]] = None, plan=None, archive=None) -> Tuple[List[CellResult], Table]:
     """Read every finished cell and write ``results.csv``, ``results.md`` and ``results.tex`` into ``out_dir``, and
-    with matplotlib installed the paired comparisons as ``paired.png`` (:mod:`prismdp.experiment.figure`).
+    with matplotlib installed the paired comparisons as ``paired.png`` (:mod:`prismdp.experiment.figure`) and, for
+    tasks trained at several step budgets, the budget curves as ``budget.png`` (:mod:`prismdp.experiment.budget`).
 
     With a tuning ``plan`` (:mod:`prismdp.experiment.tuning`), ``cells`` are the reported runs (every seed at each
     group's chosen rate), results.csv also holds every tuning run, and results.md gains the learning-rate table.
@@ -505,10 +507,14 @@ def write_results(exp: Experiment, cells: Sequence[Cell], out_dir: Path,
     pairs = paired_differences(exp, cells, results)
     md = render_markdown(table) + render_paired(exp, pairs) + render_pooled(exp, pairs)
     md += render_privacy_cost(table)
+    budget = budget_points(exp, cells, results)
+    md += render_budget(exp, budget)
     if plan is not None:
         md += render_tuning(exp, plan)
     write_text(out_dir / "results.md", md + render_runtime(exp, cells, results))
     write_text(out_dir / "results.tex", render_latex(table))
     if pairs and have_matplotlib():
         save_paired_figure(exp, pairs, out_dir / "paired.png")
+    if budget and have_matplotlib():
+        save_budget_figure(exp, budget, out_dir / "budget.png")
     return results, table
