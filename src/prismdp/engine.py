@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from .privacy.accounting import vacuous_delta_error
 from .privacy.clipping import DPConfig
 from .privacy.mechanism import GaussianMechanism
 from .privacy.secure import SecureRandom
+from .sharding import is_sharded
 
 __all__ = ["make_private", "PrivateLoRA", "METHODS", "MethodSpec", "register_method", "set_dense_lr"]
 
@@ -123,6 +125,7 @@ class PrivateLoRA:
     delta: float
     accountant: str
     world: World | None = None  # the process group of a multi-process run (prismdp.distributed)
+    lockstep: bool = False  # forward passes are collectives (a sharded base, prismdp.sharding): see idle()
     _seen: int = field(default=0, repr=False)
 
     @property
@@ -194,6 +197,20 @@ class PrivateLoRA:
         if self.private:
             stats = dict(self.optimizer.last_stats)
         return stats
+
+    @contextlib.contextmanager
+    def idle(self) -> Iterator[None]:
+        """An idle micro-step of a sharded base (``lockstep``): a rank with fewer micro-batches than another still
+        runs each forward and backward, because FSDP gathers every block's weights from all ranks.  Inside, the taps
+        record nothing and the gradient computed is discarded on exit: the step's release is not touched."""
+        armed = self.grad_sampler.armed
+        self.grad_sampler.disarm()
+        try:
+            yield
+        finally:
+            self.model.zero_grad(set_to_none=True)
+            if armed:
+                self.grad_sampler.arm()
 
     def micro_steps(self, local: int) -> int:
         """The number of micro-batches every rank runs for this logical step (the largest local count; a rank with
@@ -390,4 +407,4 @@ def make_private(
     if seed is not None or world is not None:  # dropout masks: a seeded stream per rank, whatever ran before
         torch.manual_seed(shard_seed(base_seed + 2, world.rank if world is not None else 0))
     return PrivateLoRA(model, method, pairs, grad_sampler, optimizer, mechanism, data_sampler, start, delta,
-                       accountant, world)
+                       accountant, world, lockstep=world is not None and is_sharded(model))

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from . import geometry
+from .sharding import assign_weight, full_weight
 
 __all__ = [
     "LoraPair",
@@ -391,8 +392,8 @@ class StartDropoutCompensation:
             lora_A, lora_B = pair.lora_A, pair.lora_B
             z0 = _start_update(pair, torch.float64)
             weight, transposed = _base_weight(pair)
-            moved = weight.double() - (z0.T if transposed else z0)  # W0 - Z0
-            weight.copy_(moved.to(weight.dtype))
+            moved = full_weight(weight).double() - (z0.T if transposed else z0)  # W0 - Z0
+            assign_weight(weight, moved)
             del pair.layer.get_delta_weight
             for module, buffer in ((lora_A, "start_b0t"), (lora_B, "start_c0")):
                 delattr(module, buffer)
@@ -444,7 +445,8 @@ def move_to_rank_r_start(
     for pair in pairs:
         m, n, r = pair.shape
         weight, transposed = _base_weight(pair)
-        W0 = (weight.T if transposed else weight).to(torch.float64)
+        W0 = full_weight(weight)  # one layer gathered whole at a time when the base is sharded (FSDP)
+        W0 = (W0.T if transposed else W0).to(torch.float64)
         U, S, V = _top_svd(W0, r)
         if init == "spectral":
             A0, B0 = U * S.sqrt(), V * S.sqrt()
@@ -461,7 +463,7 @@ def move_to_rank_r_start(
             )
         if not _dropout_active(pair):  # with dropout, W0 stays and the LoRA branch subtracts Z0 (see above)
             new_W0 = W0 - A0 @ B0.T
-            weight.copy_((new_W0.T if transposed else new_W0).to(weight.dtype))
+            assign_weight(weight, new_W0.T if transposed else new_W0)
         A0, B0 = geometry.balance(A0, B0)
         set_factors(pair, A0.to(pair.lora_B.weight.dtype), B0.to(pair.lora_A.weight.dtype))
         factors.append((A0.float(), (B0.float())))

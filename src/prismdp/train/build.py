@@ -13,6 +13,7 @@ from torch import nn
 from ..distributed import World
 from ..engine import METHODS, PrivateLoRA, make_private
 from ..models import enable_gradient_checkpointing, load_model
+from ..sharding import check_world, shard_frozen_base
 from .config import ConfigError, TrainConfig
 from .tasks import TaskData, build_task_data, default_targets, lora_exclude_modules, task_head
 
@@ -108,6 +109,8 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
     training examples before the run is made private (the audit's input canaries): they are then part of the dataset
     the sample rate and the accountant see."""
     check_method(cfg.method)
+    if cfg.fsdp:
+        check_world(world)
     lr = cfg.lr if cfg.lr is not None else default_lr(cfg)
     torch.manual_seed(cfg.seed)  # the same initial model on every rank (seeds every CUDA device too)
     device = cfg.torch_device(world)
@@ -129,6 +132,8 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
     model = model.to(device)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    if cfg.fsdp:  # before make_private: its rank-r start then gathers W0 one layer at a time
+        shard_frozen_base(model, world)
     private = make_private(
         model, method=cfg.method, lr=lr, dataset_size=data.n_units, batch_size=cfg.batch_size, steps=cfg.steps,
         target_epsilon=cfg.epsilon if cfg.dp else None, delta=cfg.delta, max_grad_norm=cfg.max_grad_norm,

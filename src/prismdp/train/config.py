@@ -60,6 +60,8 @@ class TrainConfig:
                       choices=("float32", "bfloat16", "float16"))
     gradient_checkpointing: bool = _opt(False, "recompute each transformer block in the backward pass (less memory, "
                                                "about one more forward of compute; per-example gradients exact)")
+    fsdp: bool = _opt(False, "under torchrun: shard the frozen base model across the processes with FSDP2 (each "
+                             "holds 1/N of its weights; the LoRA factors stay whole on every process)")
     pooling: str = _opt("model", "encoder tasks: the checkpoint's own head (model, default) or a new head on the "
                                  "masked mean of the last hidden states (mean: what sentence encoders such as "
                                  "all-MiniLM-L6-v2 were trained for)", choices=("model", "mean"))

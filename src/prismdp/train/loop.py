@@ -237,16 +237,34 @@ def _train_steps(run, folder: RunFolder, step: int, fingerprint: str, stop_after
                 bar.close()
                 return TrainResult({"interrupted_at": step}, model, run.tokenizer)
     bar.close()
-    if not main:
+    if not main and not private.lockstep:
         return TrainResult({"steps": step, "rank": world.rank}, model, run.tokenizer)
-    return TrainResult(_finish(run, step, peak, progress), model, run.tokenizer)
+    summary = _finish(run, step, peak, progress, main)  # a sharded base: every rank evaluates, rank 0 writes
+    return TrainResult(summary if main else {"steps": step, "rank": world.rank}, model, run.tokenizer)
 
 
-def _finish(run, step: int, peak: PeakMemory, progress: bool) -> dict:
-    """Privacy report, evaluation, adapter export and summary.json (rank 0)."""
+def _evaluate(run, pad_id: int, progress: bool, generations_dir: Path | None) -> dict:
+    cfg, model, data = run.cfg, run.model, run.data
+    evals = {name: evaluate_classification(model, feats, pad_id, cfg.eval_batch_size, data.task_name)
+             for name, feats in data.eval_sets.items()}
+    if data.gen_eval_sets:
+        from ..eval.generation import run_eval_sets
+
+        evals.update(run_eval_sets(model, run.tokenizer, data.gen_eval_sets, batch_size=cfg.eval_batch_size,
+                                   max_new_tokens=cfg.max_new_tokens, aqua_rule=cfg.aqua_rule, progress=progress,
+                                   generations_dir=generations_dir))
+    return evals
+
+
+def _finish(run, step: int, peak: PeakMemory, progress: bool, main: bool = True) -> dict:
+    """Privacy report, evaluation, adapter export and summary.json (rank 0; with a sharded base the other ranks run
+    the same evaluation beside it, since each forward gathers weights from every rank, and write nothing)."""
     cfg, model, private, data = run.cfg, run.model, run.private, run.data
     out, pad_id = Path(cfg.output), run.tokenizer.pad_token_id
     model.eval()
+    if not main:
+        _evaluate(run, pad_id, progress, generations_dir=None)
+        return {}
     summary: dict = {"steps": step, "train": {**run_step_times(out / "metrics.jsonl"), **peak.read(),
                                               "device": str(run.device)}}
     privacy = private.privacy_report()
@@ -256,14 +274,7 @@ def _finish(run, step: int, peak: PeakMemory, progress: bool) -> dict:
     write_json(out / "privacy.json", privacy)
     summary["privacy"] = privacy
     t_eval = time.perf_counter()
-    evals = {name: evaluate_classification(model, feats, pad_id, cfg.eval_batch_size, data.task_name)
-             for name, feats in data.eval_sets.items()}
-    if data.gen_eval_sets:
-        from ..eval.generation import run_eval_sets
-
-        evals.update(run_eval_sets(model, run.tokenizer, data.gen_eval_sets, batch_size=cfg.eval_batch_size,
-                                   max_new_tokens=cfg.max_new_tokens, aqua_rule=cfg.aqua_rule, progress=progress,
-                                   generations_dir=out / "generations"))
+    evals = _evaluate(run, pad_id, progress, generations_dir=out / "generations")
     if evals:
         write_json(out / "eval.json", evals)
         summary["eval"] = evals

@@ -71,14 +71,18 @@ def backward_micro_batches(private, micros: list[tuple[list[int], list[int] | No
                            losses_of: Callable[[list[int]], Tensor]) -> tuple[float, int]:
     """The micro-batch loop of one logical step (``prismdp train``, the diagnostics and the Hugging Face Trainer):
     ``losses_of(example indices)`` -> (b,) per-example losses, each micro-batch through ``private.backward`` (the
-    optimizer step is the caller's).  Every rank of a multi-process run runs as many micro-steps (some empty).
+    optimizer step is the caller's).  Every rank of a multi-process run runs as many micro-steps (some empty; with a
+    sharded base an empty one runs example 0 through the model under :meth:`PrivateLoRA.idle`, its gradient discarded).
     Returns the summed per-example loss and the number of examples, over every rank (both private: not covered by
     the DP guarantee)."""
     loss_sum, n = 0.0, 0
     agreed = private.micro_steps(len(micros))
     for micro, groups in micros + [([], None)] * (agreed - len(micros)):
         if not micro:
-            continue  # an empty micro-batch: nothing to compute (no collective runs inside a micro-step)
+            if private.lockstep:  # a sharded base: the forward is a collective, run it on a stand-in, discarded
+                with private.idle():
+                    losses_of([0]).sum().mul(0.0).backward()
+            continue  # otherwise an empty micro-batch has nothing to compute
         losses = losses_of(micro)
         private.backward(losses, groups=None if groups is None else torch.tensor(groups))
         loss_sum += float(losses.detach().sum())
