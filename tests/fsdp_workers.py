@@ -67,3 +67,37 @@ def trajectory(rank: int, world_size: int, init_file: str, out: str, method: str
     except Exception:  # noqa: BLE001
         Path(out + f".err{rank}").write_text(traceback.format_exc())
         raise
+
+
+def dies_after(rank: int, world_size: int, init_file: str, out: str, step: int) -> None:
+    """Rank 1 exits abruptly in its first micro-step from step ``step`` on; rank 0, inside FSDP's all-gather of a
+    forward, must fail with :class:`prismdp.distributed.PeerLostError`, not hang or raise gloo's own error."""
+    import json
+    import os
+
+    from helpers import tiny_llama
+
+    from prismdp.engine import make_private
+    from prismdp.losses import causal_lm_losses
+    from prismdp.sharding import shard_frozen_base
+    from prismdp.train.step import backward_micro_batches, micro_batch_plan
+
+    world = _init(rank, world_size, init_file, timeout_s=120.0)
+    model = tiny_llama(r=2)
+    shard_frozen_base(model, world)
+    ids = torch.randint(1, 120, (N, T), generator=torch.Generator().manual_seed(1))
+    private = make_private(model, method="prism", lr=1e-2, dataset_size=N, batch_size=8, steps=50,
+                           noise_multiplier=1.0, seed=7, world=world)
+    def losses_of(micro, t):
+        if rank == 1 and t >= step:  # inside a micro-step, after the ranks agreed on their number
+            os._exit(3)
+        return causal_lm_losses(model(input_ids=ids[micro]).logits, ids[micro])
+
+    try:
+        for t, batch in enumerate(private.batches()):
+            backward_micro_batches(private, micro_batch_plan(batch.tolist(), None, 2, group_by_length=False),
+                                   lambda micro: losses_of(micro, t))
+            private.step()
+        Path(out + f".done{rank}").write_text("finished")
+    except Exception as e:  # noqa: BLE001
+        Path(out + f".err{rank}").write_text(json.dumps({"type": type(e).__name__, "msg": str(e)}))

@@ -48,3 +48,18 @@ def test_a_sharded_base_follows_the_one_process_trajectory(tmp_path, method):
     assert a["info"]["lockstep"] is False
     moved = float((a["traj"][-1][0] - a["traj"][0][0]).abs().max())
     assert moved > 1e-3
+
+
+def test_a_killed_rank_gives_the_clear_error_inside_a_sharded_forward(tmp_path):
+    """Rank 1 dies after 3 steps: rank 0, waiting in FSDP's all-gather, reports PeerLostError (the run's own error
+    naming the lost peer and the resume), not gloo's RuntimeError or a hang."""
+    import json
+
+    out = tmp_path / "kill"
+    t0 = time.time()
+    codes = _spawn(fsdp_workers.dies_after, 2, tmp_path, str(out), 3, timeout=150)
+    assert codes[1] == 3
+    err = json.loads((tmp_path / "kill.err0").read_text())
+    assert err["type"] == "PeerLostError" and "stopped or lost its connection" in err["msg"], err
+    assert "sharded model" in err["msg"]
+    assert time.time() - t0 < 150

@@ -21,10 +21,11 @@ hanging until a timeout.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import secrets
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -73,6 +74,17 @@ class World:
                 f"rank {self.rank} of {self.size}: the collective '{what}' failed ({type(e).__name__}: {e}). Another "
                 "process of the run stopped or lost its connection; this run cannot continue. Resume it from its last "
                 "checkpoint with the same number of processes.") from e
+
+    @contextlib.contextmanager
+    def collective(self, what: str) -> Iterator[None]:
+        """Run code whose collectives are not ours (FSDP's all-gathers inside a forward or backward): a failure of
+        the process group there becomes :class:`PeerLostError` like one of ours; any other error passes unchanged."""
+        try:
+            yield
+        except RuntimeError as e:
+            if not _lost_peer(e):
+                raise
+            self._run(what, lambda: _reraise(e))
 
     def all_reduce_sum(self, tensors: Sequence[Tensor], what: str = "sum") -> None:
         """In-place SUM across ranks; tensors are grouped by dtype into one flat buffer each (one collective per
@@ -142,6 +154,20 @@ class World:
             raise ValueError(f"rank {self.rank} was given seed {seed} but rank 0 has {chosen}; give every process "
                              "the same seed")
         return chosen
+
+
+_PEER_SIGNS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "broken pipe")
+
+
+def _lost_peer(e: BaseException) -> bool:
+    """Whether ``e`` comes from the process group (a backend error, or gloo's plain RuntimeError naming itself)."""
+    import torch.distributed as dist
+
+    return isinstance(e, getattr(dist, "DistError", ())) or any(s in str(e).lower() for s in _PEER_SIGNS)
+
+
+def _reraise(e: BaseException):
+    raise e
 
 
 def current_world() -> World | None:

@@ -9,6 +9,7 @@ summed), so this is free of privacy consequences; it only changes which dropout 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -77,14 +78,16 @@ def backward_micro_batches(private, micros: list[tuple[list[int], list[int] | No
     the DP guarantee)."""
     loss_sum, n = 0.0, 0
     agreed = private.micro_steps(len(micros))
+    guard = private.world.collective if private.lockstep else lambda what: contextlib.nullcontext()
     for micro, groups in micros + [([], None)] * (agreed - len(micros)):
         if not micro:
             if private.lockstep:  # a sharded base: the forward is a collective, run it on a stand-in, discarded
-                with private.idle():
+                with guard("idle micro-step of the sharded model"), private.idle():
                     losses_of([0]).sum().mul(0.0).backward()
             continue  # otherwise an empty micro-batch has nothing to compute
-        losses = losses_of(micro)
-        private.backward(losses, groups=None if groups is None else torch.tensor(groups))
+        with guard("micro-step of the sharded model"):
+            losses = losses_of(micro)
+            private.backward(losses, groups=None if groups is None else torch.tensor(groups))
         loss_sum += float(losses.detach().sum())
         n += losses.numel()
     if private.world is not None:  # the logged loss is the global batch's
