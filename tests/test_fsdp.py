@@ -63,3 +63,62 @@ def test_a_killed_rank_gives_the_clear_error_inside_a_sharded_forward(tmp_path):
     assert err["type"] == "PeerLostError" and "stopped or lost its connection" in err["msg"], err
     assert "sharded model" in err["msg"]
     assert time.time() - t0 < 150
+
+
+def _math_file(folder):
+    """A tiny LLM-Adapters training file and a GSM8K-style test set beside it (the generation eval runs too)."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    recs = [{"instruction": f"What is {i} plus {i + 1}?", "input": "", "output": f"The answer is {2 * i + 1}.",
+             "answer": str(2 * i + 1)} for i in range(40)]
+    (folder / "train.json").write_text(json.dumps(recs))
+    (folder / "gsm8k_test.json").write_text(json.dumps(recs[:3]))
+    return folder / "train.json"
+
+
+def test_torchrun_fsdp_run_matches_the_one_process_privacy_report_resumes_and_exports_a_stock_adapter(
+        tiny_llama_dir, tmp_path):
+    """`torchrun --nproc-per-node 2 -m prismdp train --fsdp` on a causal LM: interrupted by Ctrl-C after step 2 (both
+    ranks stop after the same step, rank 0 writes the checkpoint), resumed with --resume; privacy.json equals the
+    one-process run's (world_size aside); both ranks ran the generation eval (a collective) and rank 0 wrote it; the
+    adapter loads with stock PEFT on the original (unsharded) base."""
+    import json
+    import subprocess
+
+    from helpers import interrupt_when_logged
+    from peft import PeftModel
+    from test_distributed import _torchrun
+    from transformers import AutoModelForCausalLM
+
+    from prismdp.cli import main
+
+    train = _math_file(tmp_path / "data")
+    common = ["--model", tiny_llama_dir, "--task", "instruct", "--data", str(train), "--steps", "6",
+              "--batch-size", "8", "--micro-batch-size", "2", "--rank", "2", "--alpha", "2", "--max-length", "48",
+              "--lr", "1e-2", "--delta", "1e-3", "--eval-tasks", "gsm8k", "--eval-examples", "2",
+              "--max-new-tokens", "4", "--checkpoint-every", "100", "--quiet"]
+    assert main(["train", *common, "--output", str(tmp_path / "one")]) == 0
+    two = tmp_path / "two"
+    proc = _torchrun(2, [*common, "--fsdp", "--output", str(two)], wait=False)
+    interrupt_when_logged(two / "metrics.jsonl", 2, pid=proc.pid)
+    try:
+        _, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate(timeout=60)
+        raise AssertionError("the sharded run did not stop: a hang")
+    stopped = torch.load(two / "checkpoint.pt", weights_only=False)["step"]
+    assert 2 <= stopped < 6 and "PeerLostError" not in err, err[-3000:]
+    res = _torchrun(2, [*common, "--fsdp", "--output", str(two), "--resume"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    one = json.loads((tmp_path / "one" / "privacy.json").read_text())
+    got = json.loads((two / "privacy.json").read_text())
+    assert one.pop("world_size") == 1 and got.pop("world_size") == 2
+    assert one == got
+    assert [json.loads(line)["step"] for line in (two / "metrics.jsonl").read_text().splitlines()] == list(range(1, 7))
+    assert json.loads((two / "eval.json").read_text())["gsm8k"]["n"] == 2
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    model = PeftModel.from_pretrained(base, str(two / "adapter"))
+    out = model(input_ids=torch.tensor([[5, 6, 7]])).logits
+    assert torch.isfinite(out).all()

@@ -76,8 +76,9 @@ def block_classes(model: nn.Module) -> set[str]:
 
 def shard_frozen_base(model: nn.Module, world, blocks: Iterable[str] | None = None) -> list[nn.Module]:
     """Shard ``model``'s frozen weights across ``world``'s processes with FSDP2, in place: ``fully_shard`` on every
-    block (``blocks``: class names; default :func:`block_classes`), then on the model, each with the trained
-    parameters left out (``ignored_params``).  Returns the sharded modules (the model last).  Call it after LoRA is
+    block (``blocks``: class names; default :func:`block_classes`), then on the transformers model (inside a PEFT
+    model's wrappers), each with the trained parameters left out (``ignored_params``).  Returns the sharded modules
+    (the root last).  Call it after LoRA is
     on the model and before :func:`prismdp.engine.make_private` (whose rank-r start then gathers one layer at a time).
     """
     from torch.distributed.device_mesh import init_device_mesh
@@ -97,6 +98,9 @@ def shard_frozen_base(model: nn.Module, world, blocks: Iterable[str] | None = No
     for unit in units:
         fully_shard(unit, mesh=mesh, ignored_params={p for p in unit.parameters() if p in trained})
         sharded.append(unit)
-    fully_shard(model, mesh=mesh, ignored_params=trained)
-    sharded.append(model)
+    # the root unit is the transformers model inside PEFT's wrappers: generate() and PEFT's forward both call its
+    # forward, whose hooks gather the weights outside the blocks (embeddings, final norm, head)
+    root = model.get_base_model() if hasattr(model, "get_base_model") else model
+    fully_shard(root, mesh=mesh, ignored_params={p for p in root.parameters() if p in trained})
+    sharded.append(root)
     return sharded
