@@ -26,7 +26,8 @@ of its own batching, loss and optimizer:
 * checkpoints carry the whole privacy state (:meth:`prismdp.engine.PrivateLoRA.state_dict`, ``prismdp_state.pt``),
   and ``train(resume_from_checkpoint=...)`` continues exactly;
 * under ``torchrun`` it is prismdp's multi-process engine (:mod:`prismdp.distributed`): the model is never run through
-  DDP, so no gradient is all-reduced outside the mechanism.
+  DDP, so no gradient is all-reduced outside the mechanism; with the Trainer's FSDP settings (``fsdp=...``) the frozen
+  base is sharded by prismdp (:mod:`prismdp.sharding`, FSDP2) and the LoRA factors stay whole on every process.
 
 What breaks the accounting is refused, with the reason: an ``IterableDataset``, ``group_by_length``,
 ``auto_find_batch_size``, ``gradient_accumulation_steps`` (the logical batch is ``expected_batch_size``),
@@ -53,7 +54,9 @@ from ..atomic import write_json
 from ..engine import METHODS, make_private
 from ..export import export_adapter
 from ..losses import causal_lm_losses, classification_losses
+from ..distributed import current_world
 from ..privacy.accounting import ACCOUNTANTS
+from ..sharding import is_sharded, shard_frozen_base
 from ..train.loop import REPLICA_CHECK_EVERY
 
 __all__ = ["PrivacyArguments", "PrivateTrainer", "PrivacyMixin", "private_trainer_class", "PRIVACY_STATE_NAME"]
@@ -222,9 +225,18 @@ class PrivacyMixin:
             _refuse("dataloader_drop_last drops examples; every sampled example must be used. Set "
                     "dataloader_drop_last=False.")
         steps = targs.max_steps if targs.max_steps > 0 else None
-        # one Trainer step = one logical step, the Trainer's clipping off, our sampler positioned by the privacy state
-        targs = dataclasses.replace(targs, max_steps=steps or 1, max_grad_norm=0.0, ignore_data_skip=True)
+        shard = bool(targs.fsdp)  # the Trainer's FSDP settings: prismdp shards the frozen base itself
+        # one Trainer step = one logical step, the Trainer's clipping off, our sampler positioned by the privacy state;
+        # no FSDP wrapping by the Trainer (it would shard the LoRA factors and reduce their gradients)
+        targs = dataclasses.replace(targs, max_steps=steps or 1, max_grad_norm=0.0, ignore_data_skip=True,
+                                    **({"fsdp": "", "fsdp_config": None} if shard else {}))
         super().__init__(model=model, args=targs, **kwargs)
+        if shard:
+            shard_frozen_base(self.model, current_world())
+            # the Trainer still wraps the model in DDP (never run: training_step uses self.model); DDP must not
+            # broadcast the sharded weights (DTensors) when it is built
+            torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                self.model, [n for n, p in self.model.named_parameters() if is_sharded(p)])
         _warn_if_preparation_dropped(len(dataset), len(self.train_dataset))
         # the rows the Trainer really trains on (TRL's preparation may drop some): what the guarantee counts
         self._units = self._privacy_units(self.train_dataset, p)
