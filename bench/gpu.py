@@ -188,7 +188,8 @@ def run_shape(shape: Shape, names: List[str], micro_sizes: List[int], device: to
               peak: float | None = None) -> dict:
     """Build every variant of ``shape`` (shared frozen weights), take one first step each at the first micro-batch
     size, then run the cells in the order of ``micro_sizes``; skip a cell whose warm-up and first round would end
-    past the shape's share.  A variant that ran out of memory is rebuilt for the next cell; one that failed otherwise stays out."""
+    past the shape's share.  A variant that ran out of memory is rebuilt for the next cell; one that failed
+    otherwise stays out."""
     res = {"shape": shape.name, "description": shape.description, "config": shape.config, "batch": shape.batch,
            "seq_len": shape.seq_len, "rank": shape.rank, "targets": list(shape.targets),
            "tokens_per_step": shape.tokens_per_step, "flops_per_token": flops_per_token(shape), "cells": [],
