@@ -3,6 +3,8 @@ the frozen weights its variants share (no timing asserts: timings here are meani
 
 import json
 import statistics
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -208,3 +210,49 @@ def test_run_cell_rounds_follow_the_time_shares(budget, cell_s, shape_s, rounds,
     assert cell["variants"]["a"]["times_s"] == [0.5] * want and cell["variants"]["b"]["times_s"] == [1.0] * want
     assert cell["variants"]["a"]["host_syncs_per_step"] == 0 and cell["variants"]["a"]["warmup_s"] == 0.5
     assert ran[:4] == ["a", "b", "a", "b"] and ran[4:6] == (["b", "a"] if want > 1 else [])  # rotated
+
+
+def test_cuda_bookkeeping_with_a_fake_torch_cuda(monkeypatch):
+    """The CUDA-only paths on the CPU: the step's peak above the allocated memory before it, the sync-debug
+    warnings counted (and the mode reset after a failing step too), the environment's device fields, MFU."""
+    mem, modes = {"alloc": 1000, "peak": 0}, []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: mem["alloc"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: mem.update(peak=mem["alloc"]))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: mem["peak"])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def step():
+        mem["peak"] = mem["alloc"] + 7 * 2 ** 30
+        for message in ("called a synchronizing CUDA operation", "called a synchronizing CUDA operation", "other"):
+            warnings.warn(message)
+        torch.ones(2).sum().item()  # one read to the host
+
+    cuda = torch.device("cuda")
+    assert gpu.timed_step(step, cuda)[1] == 7 * 2 ** 30
+    _, host, syncs = gpu.counted_step(step, cuda)
+    assert (host, syncs) == (1, 2) and modes == ["warn", "default"]
+
+    def failing():
+        raise torch.OutOfMemoryError("CUDA out of memory (fake)")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        gpu.counted_step(failing, cuda)
+    assert modes[-1] == "default"
+    assert gpu._failure(RuntimeError("CUDA error: out of memory"), 8)["status"] == "out of memory"
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(total_memory=80 * 2 ** 30, major=9, minor=0))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91000)
+    env = gpu.environment(cuda)
+    assert env["peak_tflops"] == 989.0 and env["device_memory_gb"] == 80 and env["capability"] == "9.0"
+
+    res = {"flops_per_token": {"total": 4e9}, "tokens_per_step": 8192, "peak_tflops": 989.0, "cells": [
+        {"micro": 8, "variants": {n: {"status": "ok", "times_s": [0.3, 0.1, 0.2],
+                                      "peak_bytes": [2 ** 30, 3 * 2 ** 30]} for n in ("prism", "reference")}}]}
+    gpu.summarize_shape(res)
+    v = res["cells"][0]["variants"]["prism"]
+    assert v["mfu"] == pytest.approx(4e9 * 8192 / 0.2 / 989e12) and v["peak_gb"] == 2.0
+    assert res["memory_ratios"]["prism / reference"]["at_largest_common_micro"] == 1.0
