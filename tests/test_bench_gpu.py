@@ -250,9 +250,9 @@ def test_cuda_bookkeeping_with_a_fake_torch_cuda(monkeypatch):
     assert env["peak_tflops"] == 989.0 and env["device_memory_gb"] == 80 and env["capability"] == "9.0"
 
     res = {"flops_per_token": {"total": 4e9}, "tokens_per_step": 8192, "peak_tflops": 989.0, "cells": [
-        {"micro": 8, "variants": {n: {"status": "ok", "times_s": [0.3, 0.1, 0.2],
+        {"micro": 8, "variants": {n: {"status": "ok", "times_s": [0.3, 0.1, 0.15],
                                       "peak_bytes": [2 ** 30, 3 * 2 ** 30]} for n in ("prism", "reference")}}]}
     gpu.summarize_shape(res)
     v = res["cells"][0]["variants"]["prism"]
-    assert v["mfu"] == pytest.approx(4e9 * 8192 / 0.2 / 989e12) and v["peak_gb"] == 2.0
+    assert v["mfu"] == pytest.approx(4e9 * 8192 / 0.15 / 989e12) and v["peak_gb"] == 2.0
     assert res["memory_ratios"]["prism / reference"]["at_largest_common_micro"] == 1.0
