@@ -1,0 +1,258 @@
+"""``python -m bench.gpu`` on the CPU with tiny shapes: its bookkeeping, its FLOP count, its out-of-memory handling and
+the frozen weights its variants share (no timing asserts: timings here are meaningless)."""
+
+import json
+import statistics
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import bench.gpu as gpu
+from bench.gpu_models import SHAPES, bf16_peak_tflops, build_base, flops_per_token, sanitize
+from bench.gpu_variants import VARIANTS, batch, build_variant
+
+
+def _run(tmp_path, *args):
+    return gpu.main(["--output", str(tmp_path), "--time-budget", "900", *args])
+
+
+def test_tiny_run_writes_every_variant_with_consistent_bookkeeping(tmp_path):
+    assert _run(tmp_path, "--tiny", "--micro", "8,4", "--rounds", "2", "--min-rounds", "2") == 0
+    report = json.loads((tmp_path / "gpu-cpu-tiny.json").read_text())
+    assert report["status"] == "complete" and report["tiny"]
+    assert report["command"][:3] == ["python", "-m", "bench.gpu"] and "--tiny" in report["command"]
+    env = report["environment"]
+    assert env["device"] == "cpu" and env["peak_tflops"] is None
+    assert set(env["versions"]) == {"torch", "transformers", "peft", "opacus", "prismdp"}
+    assert [r["shape"] for r in report["shapes"]] == ["tiny-llama", "tiny-gemma"]
+    for res in report["shapes"]:
+        # the largest first, those that divide the logical batch (8 for tiny-llama, 4 for tiny-gemma)
+        assert [c["micro"] for c in res["cells"]] == ([8, 4] if res["shape"] == "tiny-llama" else [4])
+        tokens = res["tokens_per_step"]
+        assert tokens == SHAPES[res["shape"]].batch * SHAPES[res["shape"]].seq_len
+        assert res["flops_per_token"] == pytest.approx(flops_per_token(SHAPES[res["shape"]]))
+        for cell in res["cells"]:
+            assert cell["rounds"] == 2 and list(cell["variants"]) == list(VARIANTS)
+            for v in cell["variants"].values():
+                assert v["status"] == "ok" and len(v["times_s"]) == 2
+                assert v["median_s"] == statistics.median(v["times_s"])
+                assert v["tokens_per_s"] == pytest.approx(tokens / v["median_s"])
+                assert v["mfu"] is None and v["peak_gb"] is None  # no bf16 peak, no CUDA memory on the CPU
+                assert isinstance(v["host_syncs_per_step"], int) and v["cuda_syncs_per_step"] is None
+            times = {n: v["times_s"] for n, v in cell["variants"].items()}
+            assert cell["paired"]["prism / dp-adamw"] == pytest.approx(
+                statistics.median(a / b for a, b in zip(times["prism"], times["dp-adamw"])))
+        for n, b in res["best"].items():
+            medians = {c["micro"]: c["variants"][n]["median_s"] for c in res["cells"]}
+            assert b["micro"] == min(medians, key=medians.get) and b["median_s"] == min(medians.values())
+        assert set(res["ratios"]) == {name for name, *_ in gpu.RATIOS}
+        for name, a, b, target in gpu.RATIOS:
+            r = res["ratios"][name]
+            assert r["ratio_of_best_medians"] == pytest.approx(res["best"][a]["median_s"] / res["best"][b]["median_s"])
+            assert r["micro"] == [res["best"][a]["micro"], res["best"][b]["micro"]] and r["target"] == target
+            assert r["paired_median_by_micro"] == {str(c["micro"]): c["paired"][name] for c in res["cells"]}
+    md = (tmp_path / "gpu-cpu-tiny.md").read_text()
+    assert md == gpu.markdown(report) and "not a measurement" in md
+    assert all(f"| {n} | 4 |" in md for n in VARIANTS) and "| prism / dp-adamw |" in md
+
+
+def test_flops_per_token_against_a_hand_count():
+    """tiny-llama (d 64, ff 128, 2 layers, 4 heads and 2 KV heads of 16, V 256, T 16, r 4 on q/k/v/up/down) and
+    tiny-gemma (d 48, ff 96, H 2 / KV 1 of 32, V 320, a sliding window of 8 in its first layer), written out."""
+    per_layer = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 3 * 64 * 128  # q k v o gate up down
+    lora = 6 * 4 * ((64 + 64) + (64 + 32) + (64 + 32) + (64 + 128) + (128 + 64))
+    want = {"base": 4 * 2 * per_layer, "attention": 2 * 12 * 16 * (4 * 16), "head": 4 * 64 * 256, "lora": 2 * lora}
+    got = flops_per_token(SHAPES["tiny-llama"])
+    assert {k: got[k] for k in want} == want and got["total"] == sum(want.values()) == 418_816
+    per_layer = 48 * 64 + 48 * 32 + 48 * 32 + 64 * 48 + 3 * 48 * 96
+    lora = 6 * 4 * ((48 + 64) + (48 + 32) + (48 + 32) + (48 + 96) + (96 + 48))
+    want = {"base": 4 * 2 * per_layer, "attention": 12 * (2 * 32) * (8 + 16), "head": 4 * 48 * 320,
+            "lora": 2 * lora}
+    got = flops_per_token(SHAPES["tiny-gemma"])
+    assert {k: got[k] for k in want} == want
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma", "llama-3.2-1b", "gemma-3-4b"])
+def test_flops_per_token_against_the_built_models_linear_layers(name):
+    """The config-formula count against the model's own ``nn.Linear`` weights (built on the meta device: no memory),
+    and Llama-3.2-1B's published parameter count (1,235,814,400)."""
+    shape = SHAPES[name]
+    model = build_base(shape, "meta")
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    body = sum(m.weight.numel() for n, m in linears.items() if n != "lm_head")
+    lora = sum(6 * shape.rank * (m.in_features + m.out_features) for n, m in linears.items()
+               if n.split(".")[-1] in shape.targets)
+    f = flops_per_token(shape)
+    assert f["base"] == 4 * body and f["head"] == 4 * linears["lm_head"].weight.numel() and f["lora"] == lora
+    assert all(p.dtype == torch.bfloat16 and p.is_meta for p in model.parameters())
+    if name == "llama-3.2-1b":
+        assert sum(p.numel() for p in model.parameters()) == 1_235_814_400
+        assert f["total"] == pytest.approx(4.9e9, rel=0.05)  # ~4 N per token for LoRA training
+
+
+def test_peak_table_and_file_names():
+    assert bf16_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert bf16_peak_tflops("NVIDIA H200") == 989.0
+    assert bf16_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert bf16_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert bf16_peak_tflops("Some Other GPU") is None
+    assert sanitize("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+
+
+def test_out_of_memory_is_recorded_and_the_variant_rebuilt_for_smaller_micro_batches(tmp_path, monkeypatch):
+    """A fake out-of-memory error at micro-batches of 4 and more for prism: its cells say so, it is rebuilt for each
+    smaller size and measured at 2; another variant failing with an error is recorded and the run exits 1."""
+    builds = []
+
+    def fake_build(name, shape, base, ids):
+        v = build_variant(name, shape, base, ids)
+        builds.append(name)
+        run = v.run
+
+        def step(micro):
+            if name == "prism" and micro >= 4:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (fake)")
+            if name == "dp-adamw" and micro == 2:
+                raise ValueError("a planted bug")
+            run(micro)
+
+        v.run = step
+        return v
+
+    monkeypatch.setattr(gpu, "build_variant", fake_build)
+    assert _run(tmp_path, "--shapes", "tiny-llama", "--variants", "reference,prism,dp-adamw", "--rounds", "1",
+                "--min-rounds", "1") == 1
+    report = json.loads((tmp_path / "gpu-cpu-tiny.json").read_text())
+    (res,) = report["shapes"]
+    cells = {c["micro"]: c["variants"] for c in res["cells"]}
+    assert list(cells) == [8, 4, 2]
+    assert res["variants"]["prism"]["status"] == "out of memory"  # its first step, at 8
+    assert cells[8]["prism"]["status"] == cells[4]["prism"]["status"] == "out of memory"
+    assert "fake" in cells[4]["prism"]["error"]
+    assert cells[2]["prism"]["status"] == "ok" and len(cells[2]["prism"]["times_s"]) == 1
+    assert builds.count("prism") == 3  # built, then rebuilt for 4 and for 2
+    assert cells[2]["dp-adamw"]["status"] == "error" and "planted bug" in cells[2]["dp-adamw"]["error"]
+    assert all(cells[m]["reference"]["status"] == "ok" for m in cells)
+    assert res["best"]["prism"]["micro"] == 2 and res["best"]["dp-adamw"]["micro"] in (8, 4)
+    assert report["status"].startswith("errors")
+    md = (tmp_path / "gpu-cpu-tiny.md").read_text()
+    assert "| prism | 8 | out of memory |" in md and "| dp-adamw | 2 | error |" in md
+
+
+def test_variants_share_the_frozen_weights_they_leave_unchanged(monkeypatch):
+    """Every variant shares the base's tensors except prism's (without dropout) target weights, which its rank-r
+    start changes; after building and a step of each, the base is bit for bit what it was.  Sharing a tensor a
+    variant changes is caught."""
+    import bench.gpu_variants as gv
+
+    shape = SHAPES["tiny-llama"]
+    base = build_base(shape, "cpu")
+    before = {n: p.detach().clone() for n, p in base.named_parameters()}
+    ids = batch(shape, base.get_input_embeddings().num_embeddings, "cpu")
+    q = base.model.layers[0].self_attn.q_proj.weight
+    for name in VARIANTS:
+        v = build_variant(name, shape, base, ids)
+        v.step(4)
+        v.check_shared()
+        owns_targets = name in ("prism", "no-dp")
+        assert (id(q) in v.shared) != owns_targets and id(base.model.layers[0].self_attn.o_proj.weight) in v.shared
+    assert all(torch.equal(p, before[n]) for n, p in base.named_parameters())
+    monkeypatch.setattr(gv, "changes_base", lambda spec: False)  # the planted bug: prism shares its targets
+    with pytest.raises(RuntimeError, match="changed .* frozen tensor"):
+        build_variant("prism", shape, base, ids)
+
+
+def test_a_spent_time_budget_still_writes_the_files(tmp_path):
+    assert gpu.main(["--output", str(tmp_path), "--time-budget", "0", "--tiny"]) == 0
+    report = json.loads((tmp_path / "gpu-cpu-tiny.json").read_text())
+    assert report["status"] == "partial: time budget"
+    assert all(r["status"] == "skipped: time budget" for r in report["shapes"])
+    assert "skipped: time budget" in (tmp_path / "gpu-cpu-tiny.md").read_text()
+
+
+class _FakeVariant:
+    def __init__(self, name, clock, dt, ran):
+        self.name, self.model, self.shared = name, object(), {}
+        self.clock, self.dt, self.ran = clock, dt, ran
+
+    def step(self, micro):
+        self.ran.append(self.name)
+        self.clock.t += self.dt
+
+    def check_shared(self):
+        pass
+
+    def release(self):
+        self.model = None
+
+
+class _FakeClock(gpu.Clock):
+    def __init__(self, budget):
+        self.t = 0.0
+        super().__init__(budget, now=lambda: self.t)
+
+
+@pytest.mark.parametrize("budget, cell_s, shape_s, rounds, min_rounds, want", [
+    (100, 100, 100, 5, 2, 5),  # plenty of time: the most rounds
+    (100, 5, 100, 5, 2, 2),    # the cell's share is spent after the warm-up: the least rounds
+    (100, 5, 4, 5, 3, 1),      # the shape's share too: one round
+    (4.4, 100, 100, 5, 2, 1),  # the budget: none past its end (warm-up 1.5 s, rounds of 1.5 s)
+])
+def test_run_cell_rounds_follow_the_time_shares(budget, cell_s, shape_s, rounds, min_rounds, want):
+    clock, ran = _FakeClock(budget), []
+    variants = {n: _FakeVariant(n, clock, dt, ran) for n, dt in (("a", 0.5), ("b", 1.0))}
+    cell = gpu.run_cell(variants, 4, torch.device("cpu"), clock, cell_s, shape_s, rounds, min_rounds,
+                        log=lambda m: None)
+    assert cell["rounds"] == want
+    assert cell["variants"]["a"]["times_s"] == [0.5] * want and cell["variants"]["b"]["times_s"] == [1.0] * want
+    assert cell["variants"]["a"]["host_syncs_per_step"] == 0 and cell["variants"]["a"]["warmup_s"] == 0.5
+    assert ran[:4] == ["a", "b", "a", "b"] and ran[4:6] == (["b", "a"] if want > 1 else [])  # rotated
+
+
+def test_cuda_bookkeeping_with_a_fake_torch_cuda(monkeypatch):
+    """The CUDA-only paths on the CPU: the step's peak above the allocated memory before it, the sync-debug
+    warnings counted (and the mode reset after a failing step too), the environment's device fields, MFU."""
+    mem, modes = {"alloc": 1000, "peak": 0}, []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: mem["alloc"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: mem.update(peak=mem["alloc"]))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: mem["peak"])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def step():
+        mem["peak"] = mem["alloc"] + 7 * 2 ** 30
+        for message in ("called a synchronizing CUDA operation", "called a synchronizing CUDA operation", "other"):
+            warnings.warn(message)
+        torch.ones(2).sum().item()  # one read to the host
+
+    cuda = torch.device("cuda")
+    assert gpu.timed_step(step, cuda)[1] == 7 * 2 ** 30
+    _, host, syncs = gpu.counted_step(step, cuda)
+    assert (host, syncs) == (1, 2) and modes == ["warn", "default"]
+
+    def failing():
+        raise torch.OutOfMemoryError("CUDA out of memory (fake)")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        gpu.counted_step(failing, cuda)
+    assert modes[-1] == "default"
+    assert gpu._failure(RuntimeError("CUDA error: out of memory"), 8)["status"] == "out of memory"
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(total_memory=80 * 2 ** 30, major=9, minor=0))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91000)
+    env = gpu.environment(cuda)
+    assert env["peak_tflops"] == 989.0 and env["device_memory_gb"] == 80 and env["capability"] == "9.0"
+
+    res = {"flops_per_token": {"total": 4e9}, "tokens_per_step": 8192, "peak_tflops": 989.0, "cells": [
+        {"micro": 8, "variants": {n: {"status": "ok", "times_s": [0.3, 0.1, 0.15],
+                                      "peak_bytes": [2 ** 30, 3 * 2 ** 30]} for n in ("prism", "reference")}}]}
+    gpu.summarize_shape(res)
+    v = res["cells"][0]["variants"]["prism"]
+    assert v["mfu"] == pytest.approx(4e9 * 8192 / 0.15 / 989e12) and v["peak_gb"] == 2.0
+    assert res["memory_ratios"]["prism / reference"]["at_largest_common_micro"] == 1.0
