@@ -3,8 +3,7 @@
     python -m torch.distributed.run --nproc-per-node 2 tests/hf_dist_worker.py MODEL_DIR OUT METHOD
 
 Trains test_hf_trainer.float64_trainer (float64, fixed logical batches, this rank's share of each) for STEPS steps,
-with a 60 s collective timeout (ddp_timeout: a rank waiting for a collective its peer never joins fails instead of
-hanging); saves the adapter and privacy.json (rank 0), OUT/rank<r>.pt (the trained tensors) and OUT/rank<r>.json:
+with a 60 s collective timeout (a rank waiting for a collective its peer never joins fails instead of hanging); saves the adapter and privacy.json (rank 0), OUT/rank<r>.pt (the trained tensors) and OUT/rank<r>.json:
 per backward pass, the gradient autograd left in a LoRA factor's .grad before the mechanism discarded it (DDP must
 not have averaged it across the ranks)."""
 
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from prismdp.distributed import init_from_env
 from test_hf_trainer import float64_trainer
 
 STEPS = 4
@@ -23,7 +23,10 @@ STEPS = 4
 def main(model_dir: str, out: str, method: str) -> None:
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    trainer = float64_trainer(model_dir, out, STEPS, method, rank=rank, world=world, ddp_timeout=60)
+    # the group first, with a 60 s collective timeout: TrainingArguments passes ddp_timeout on only off the CPU
+    # (transformers 5.24, use_cpu=True: gloo's default of 30 minutes); the Trainer then uses this group
+    init_from_env(timeout_s=60)
+    trainer = float64_trainer(model_dir, out, STEPS, method, rank=rank, world=world)
     private = trainer.private
     assert private.world is not None and private.world.rank == rank
     probe = private.pairs[0].lora_B.weight
