@@ -1,10 +1,11 @@
 """One process of a `torchrun --nproc-per-node 2` run of PrivateTrainer (tests/test_hf_trainer.py):
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/hf_dist_worker.py MODEL_DIR OUT METHOD
+    python -m torch.distributed.run --nproc-per-node 2 tests/hf_dist_worker.py MODEL_DIR OUT METHOD[,METHOD...]
 
-Trains test_hf_trainer.float64_trainer (float64, fixed logical batches, this rank's share of each) for STEPS steps,
-with a 60 s collective timeout (a rank waiting for a collective its peer never joins fails instead of hanging); saves the adapter and privacy.json (rank 0), OUT/rank<r>.pt (the trained tensors) and OUT/rank<r>.json:
-per backward pass, the gradient autograd left in a LoRA factor's .grad before the mechanism discarded it (DDP must
+Trains test_hf_trainer.float64_trainer (float64, fixed logical batches, this rank's share of each) for STEPS steps (per method, in OUT/METHOD),
+with a 60 s collective timeout (a rank waiting for a collective its peer never joins fails instead of hanging);
+saves the adapter and privacy.json (rank 0), OUT/rank<r>.pt (the trained tensors) and OUT/rank<r>.json: per
+backward pass, the gradient autograd left in a LoRA factor's .grad before the mechanism discarded it (DDP must
 not have averaged it across the ranks)."""
 
 import json
@@ -20,12 +21,17 @@ from test_hf_trainer import float64_trainer
 STEPS = 4
 
 
-def main(model_dir: str, out: str, method: str) -> None:
+def main(model_dir: str, out: str, methods: str) -> None:
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # the group first, with a 60 s collective timeout: TrainingArguments passes ddp_timeout on only off the CPU
     # (transformers 5.24, use_cpu=True: gloo's default of 30 minutes); the Trainer then uses this group
     init_from_env(timeout_s=60)
+    for method in methods.split(","):  # one launch, several runs (each start costs more than its training)
+        train(model_dir, str(Path(out, method)), method, rank, world)
+
+
+def train(model_dir: str, out: str, method: str, rank: int, world: int) -> None:
     trainer = float64_trainer(model_dir, out, STEPS, method, rank=rank, world=world)
     private = trainer.private
     assert private.world is not None and private.world.rank == rank

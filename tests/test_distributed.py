@@ -2,7 +2,6 @@
 
 import json
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -92,12 +91,10 @@ def test_ranks_that_diverge_are_detected_on_every_rank(tmp_path):
 
 def test_a_killed_rank_gives_a_clear_error_not_a_hang(tmp_path):
     out = tmp_path / "kill"
-    t0 = time.time()
     codes = _spawn(dist_workers.dies_after, 2, tmp_path, str(out), 3, timeout=150)
     assert codes[1] == 3
     err = json.loads((tmp_path / "kill.err0").read_text())
-    assert err["type"] == "PeerLostError" and "stopped or lost its connection" in err["msg"]
-    assert time.time() - t0 < 150
+    assert err["type"] == "PeerLostError" and "stopped or lost its connection" in err["msg"]  # within 150 s: bounded
 
 
 def test_torchrun_run_reports_the_same_privacy_as_one_process_and_survives_empty_local_batches(tiny_bert_dir,
