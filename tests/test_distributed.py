@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,17 @@ def test_torchrun_run_reports_the_same_privacy_as_one_process_and_survives_empty
     res = torchrun(3, ["-m", "prismdp", "train", *common, "--output", str(tmp_path / "two"), "--resume"], tmp_path,
                    timeout=300, name="resume3")
     assert res.returncode != 0 and "same number" in res.stderr
+
+
+def test_a_hung_torchrun_is_killed_with_all_its_workers(tmp_path):
+    """The tests' own safety net (helpers.Spawned): a torchrun whose two workers never finish fails the bounded wait
+    with 'a hang', and afterwards no process of it is left: not torchrun, not its workers (which torchrun starts in
+    sessions of their own, out of reach of a kill of torchrun's process group)."""
+    from helpers import _tagged
+
+    with Spawned([torchrun_cmd(2, "--no-python", "sleep", "600")], tmp_path / "logs") as run:
+        workers = [run.find(f"RANK={r}") for r in (0, 1)]
+        assert all(os.getsid(w) != os.getsid(run.procs[0].pid) for w in workers)  # what a group kill would miss
+        with pytest.raises(AssertionError, match="still running after 1 s \\(a hang\\); all killed"):
+            run.wait(1)
+        assert not _tagged(run.tag)
