@@ -153,3 +153,24 @@ def diverges(rank: int, world_size: int, init_file: str, out: str) -> None:
                 private.pairs[0].lora_A.weight.view(-1)[0] *= 1 + 1e-6  # one float32 ulp or a few
     Path(out + f".{rank}").write_text(json.dumps(outcome))
     _close()
+
+
+def sampled_indices(rank: int, world_size: int, init_file: str, out: str, n: int, batch: int, steps: int) -> None:
+    """Each rank's Poisson batches exactly as ``make_private`` draws them (seeded, and with --secure-noise), as a
+    (steps, n) inclusion matrix of global example indices; no training."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from helpers import tiny_net
+
+    from prismdp.engine import make_private
+
+    world = _init(rank, world_size, init_file)
+    drawn = {}
+    for kind, kw in (("seeded", {"seed": 7}), ("secure", {"seed": None, "secure_noise": True})):
+        private = make_private(tiny_net(seed=0), method="dp-adamw", lr=1e-3, dataset_size=n, batch_size=batch,
+                               steps=steps, noise_multiplier=1.0, world=world, **kw)
+        x = torch.zeros(steps, n, dtype=torch.bool)
+        for t, indices in enumerate(private.batches()):
+            x[t, indices] = True
+        drawn[kind] = x
+    torch.save(drawn, out + f".{rank}")
+    _close()

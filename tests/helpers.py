@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -167,3 +169,221 @@ def interrupt_when_logged(metrics: Path, steps: int, pid: int | None = None, sig
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     return thread
+
+
+# ---------------------------------------------------------------- the Poisson sampling law
+
+
+def poisson_law_p_values(x: torch.Tensor, q: float) -> dict:
+    """p-values of the Poisson sampling law on an inclusion matrix x (steps, N): every entry an independent
+    Bernoulli(q).  Checked: batch sizes Binomial(N, q) (chi-square goodness of fit), each example's inclusion count
+    Binomial(steps, q) (chi-square over examples), independence across examples (pairwise correlations:
+    steps * sum r_ij^2 ~ chi2(N (N-1) / 2)) and across steps (each example's lag-1 and lag-2 autocorrelation,
+    steps * sum r^2 ~ chi2(2 N))."""
+    from scipy import stats
+
+    T, N = x.shape
+    out = {}
+    sizes = x.sum(1).numpy()
+    lo, hi = int(stats.binom.ppf(0.005, N, q)), int(stats.binom.ppf(0.995, N, q))
+    edges = [-0.5] + [k + 0.5 for k in range(lo, hi)] + [N + 0.5]
+    observed = [((sizes > a) & (sizes < b)).sum() for a, b in zip(edges, edges[1:])]
+    cdf = stats.binom.cdf([e for e in edges[1:-1]], N, q)
+    expected = T * torch.diff(torch.tensor([0.0, *cdf, 1.0], dtype=torch.float64)).numpy()
+    out["batch size ~ Binomial(N, q)"] = stats.chisquare(observed, expected).pvalue
+    counts = x.sum(0).numpy()
+    z = (counts - T * q) / math.sqrt(T * q * (1 - q))
+    out["inclusions per example ~ Binomial(T, q)"] = stats.chi2.sf(float((z ** 2).sum()), N)
+    xc = (x - x.mean(0)) / x.std(0, unbiased=False)
+    corr = (xc.T @ xc) / T
+    pairs = corr[torch.triu(torch.ones(N, N, dtype=torch.bool), diagonal=1)]
+    out["independent across examples"] = stats.chi2.sf(float(T * (pairs ** 2).sum()), N * (N - 1) // 2)
+    lags = torch.cat([(xc[lag:] * xc[:-lag]).mean(0) for lag in (1, 2)])
+    out["independent across steps"] = stats.chi2.sf(float(T * (lags ** 2).sum()), 2 * N)
+    return out
+
+
+def cross_rank_p_values(x0: torch.Tensor, x1: torch.Tensor, q: float, lags=(-2, -1, 0, 1, 2)) -> dict:
+    """p-values of independence between two ranks' inclusions: x0 (T, n0) and x1 (T, n1), each rank's own examples
+    (columns in the order of the examples it owns, rows the steps). Checked: neighbours on different ranks (column k
+    of each) are included together with probability q^2 (their joint count is Binomial(T min(n0, n1), q^2)); every
+    cross-rank pair is uncorrelated at the given step lags (T' sum r^2 ~ chi2); and neither rank's stream of
+    inclusions is a shifted copy of the other's (the two flattened 0/1 sequences, step-major, cross-correlated at
+    every shift leaving at least half of them overlapping: the largest |z| with a Bonferroni correction)."""
+    import numpy as np
+    from scipy import stats
+
+    T, m = x0.shape[0], min(x0.shape[1], x1.shape[1])
+    a, b = x0.double(), x1.double()
+    out = {}
+    joint = int((a[:, :m] * b[:, :m]).sum())
+    lo, hi = stats.binom.cdf(joint, T * m, q * q), stats.binom.sf(joint - 1, T * m, q * q)
+    out["neighbours on different ranks: joint inclusion ~ q^2"] = float(min(1.0, 2 * min(lo, hi)))
+    za = (a - a.mean(0)) / a.std(0, unbiased=False)
+    zb = (b - b.mean(0)) / b.std(0, unbiased=False)
+    stat, dof = 0.0, 0
+    for lag in lags:
+        u, v = (za[lag:], zb[: T - lag]) if lag >= 0 else (za[: T + lag], zb[-lag:])
+        r = (u.T @ v) / u.shape[0]
+        stat += float(u.shape[0] * (r ** 2).sum())
+        dof += r.numel()
+    out[f"cross-rank pairs uncorrelated at lags {tuple(lags)}"] = float(stats.chi2.sf(stat, dof))
+    sa = (a.flatten() - q) / math.sqrt(q * (1 - q))
+    sb = (b.flatten() - q) / math.sqrt(q * (1 - q))
+    M = min(len(sa), len(sb))
+    sa, sb = sa[:M].numpy(), sb[:M].numpy()
+    size = 1 << (2 * M - 1).bit_length()
+    cc = np.fft.irfft(np.fft.rfft(sa, size) * np.conj(np.fft.rfft(sb, size)), size)  # cc[s] = sum_i a[i + s] b[i]
+    shifts = np.arange(-(M // 2), M // 2 + 1)
+    z = np.abs(cc[shifts % size]) / np.sqrt(M - np.abs(shifts))
+    out["no rank's stream a shifted copy of another's"] = float(min(1.0, len(shifts) * 2 * stats.norm.sf(z.max())))
+    return out
+
+
+# ---------------------------------------------------------------- processes that cannot outlive their test
+
+TESTS = Path(__file__).resolve().parent
+SPAWN_TAG = "PRISMDP_TEST_SPAWN"  # in the environment of every process a test starts, and of their children
+
+
+def _tagged(tag: str) -> list[int]:
+    """Live processes (zombies aside) whose environment carries ``SPAWN_TAG=tag``: the processes a test started and
+    every descendant (torchrun starts its workers in sessions of their own, so a process group is not enough)."""
+    mark, found = f"{SPAWN_TAG}={tag}".encode(), []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z" and \
+                    mark in (d / "environ").read_bytes().split(b"\0"):
+                found.append(int(d.name))
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+@dataclass
+class Finished:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class Spawned:
+    """Commands started for one test, each in a session (process group) of its own, all tagged in their environment.
+    :meth:`wait` is bounded: past ``timeout`` every tagged process (the commands, torchrun's workers, their children)
+    is killed and the test fails with the tails of their stderr, instead of hanging. Leaving the ``with`` block kills
+    whatever is still running and asserts that no tagged process remains."""
+
+    def __init__(self, cmds: list[list[str]], log_dir: Path, env: dict | None = None, names=None):
+        import subprocess
+        import uuid
+
+        self.tag = uuid.uuid4().hex
+        log_dir = Path(log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "TOKENIZERS_PARALLELISM": "false", **(env or {}), SPAWN_TAG: self.tag,
+               "PYTHONPATH": os.pathsep.join(p for p in [str(TESTS), os.environ.get("PYTHONPATH", "")] if p)}
+        names = names or [f"proc{i}" for i in range(len(cmds))]
+        self.logs = [(log_dir / f"{n}.out", log_dir / f"{n}.err") for n in names]
+        self.procs = []
+        for cmd, (out, err) in zip(cmds, self.logs):
+            with open(out, "w") as o, open(err, "w") as e:
+                self.procs.append(subprocess.Popen(cmd, stdout=o, stderr=e, env=env, start_new_session=True))
+
+    def _read(self, i: int) -> Finished:
+        out, err = self.logs[i]
+        return Finished(self.procs[i].returncode, out.read_text(errors="replace"), err.read_text(errors="replace"))
+
+    def wait(self, timeout: float) -> list[Finished]:
+        import subprocess
+
+        deadline = time.monotonic() + timeout
+        try:
+            for p in self.procs:
+                p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            running = len(_tagged(self.tag))
+            self.kill()
+            tails = "\n".join(f"--- {err.name}:\n{err.read_text(errors='replace')[-1500:]}" for _, err in self.logs)
+            raise AssertionError(f"{running} process(es) still running after {timeout:.0f} s (a hang); all killed\n"
+                                 f"{tails}") from None
+        return [self._read(i) for i in range(len(self.procs))]
+
+    def find(self, entry: str, timeout: float = 120.0) -> int:
+        """The pid of a tagged process whose environment holds ``entry`` (e.g. ``RANK=1``: torchrun's rank-1 worker)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for pid in _tagged(self.tag):
+                try:
+                    if entry.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                        return pid
+                except OSError:
+                    continue
+            time.sleep(0.1)
+        raise AssertionError(f"no spawned process with {entry} appeared within {timeout:.0f} s")
+
+    def kill(self) -> None:
+        """SIGKILL to every tagged process and its process group, until none is left (bounded: 30 s)."""
+        deadline = time.monotonic() + 30
+        while True:
+            pids = _tagged(self.tag) + [p.pid for p in self.procs if p.poll() is None]
+            if not pids or time.monotonic() > deadline:
+                break
+            for pid in set(pids):
+                for kill in (lambda: os.killpg(os.getpgid(pid), signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+                    try:
+                        kill()
+                    except (ProcessLookupError, PermissionError):
+                        pass
+            for p in self.procs:
+                if p.poll() is None:
+                    try:
+                        p.wait(1.0)
+                    except Exception:  # noqa: BLE001 (still dying: the next round looks again)
+                        pass
+            time.sleep(0.05)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.kill()
+        left = _tagged(self.tag)
+        assert not left, f"processes {left} survived their test"
+
+
+def spawn_workers(fn: str, world: int, tmp_path: Path, *args, timeout: float = 240) -> list[Finished]:
+    """``world`` processes running ``tests/dist_workers.<fn>(rank, world, init_file, *args)`` (args: JSON values),
+    meeting through a gloo file store; bounded by ``timeout`` (then all are killed and the test fails)."""
+    import json
+    import sys
+
+    init = Path(tmp_path) / "init"
+    code = ("import json, sys; import dist_workers as w; "
+            "getattr(w, sys.argv[1])(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], *json.loads(sys.argv[5]))")
+    cmds = [[sys.executable, "-c", code, fn, str(r), str(world), str(init), json.dumps(list(args))]
+            for r in range(world)]
+    with Spawned(cmds, Path(tmp_path) / "logs", names=[f"{fn}{r}" for r in range(world)]) as group:
+        return group.wait(timeout)
+
+
+def torchrun_cmd(nproc: int, *argv: str) -> list[str]:
+    """``python -m torch.distributed.run --nproc-per-node nproc`` with a free rendezvous port, then ``argv`` (a script
+    and its arguments, or ``-m module ...``)."""
+    import socket
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr", "127.0.0.1",
+            "--master-port", str(port), *argv]
+
+
+def torchrun(nproc: int, argv: list[str], tmp_path: Path, timeout: float = 240, env: dict | None = None,
+             name: str = "torchrun") -> Finished:
+    """One torchrun command, bounded by ``timeout`` (then torchrun and its workers are killed and the test fails)."""
+    with Spawned([torchrun_cmd(nproc, *argv)], Path(tmp_path) / "logs", env=env, names=[name]) as group:
+        return group.wait(timeout)[0]

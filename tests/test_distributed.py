@@ -2,35 +2,22 @@
 
 import json
 import math
-import multiprocessing as mp
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import dist_workers
+from helpers import (Spawned, cross_rank_p_values, poisson_law_p_values, spawn_workers, torchrun,
+                     torchrun_cmd)
 
 HERE = Path(__file__).parent
 
 
 def _spawn(fn, world, tmp_path, *args, timeout=240):
-    ctx = mp.get_context("spawn")
-    init = tmp_path / "init"
-    procs = [ctx.Process(target=fn, args=(r, world, str(init), *args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.time() + timeout
-    for p in procs:
-        p.join(max(1.0, deadline - time.time()))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, f"{len(alive)} process(es) still running after {timeout} s: a hang"
-    return [p.exitcode for p in procs]
+    """Exit codes of ``world`` processes running dist_workers.<fn> (bounded: a hang kills them all and fails)."""
+    return [r.returncode for r in spawn_workers(fn.__name__, world, tmp_path, *args, timeout=timeout)]
 
 
 @pytest.mark.parametrize("method", ["prism", "dp-adamw"])
@@ -67,6 +54,30 @@ def test_noise_is_added_once_not_once_per_process(tmp_path, secure):
     assert abs(float(r0.mean())) < 5 * tau / math.sqrt(r0.numel())
 
 
+def test_make_private_on_two_ranks_includes_every_example_independently(tmp_path):
+    """The Poisson law as the global sampler sees it: two gloo processes, each with its own ``make_private`` (seeded,
+    and with --secure-noise), 1000 steps over 200 examples at q = 0.1.  Each rank draws only its own examples (r, r + 2,
+    ...) and the union is one Poisson sample: batch sizes Binomial(N, q), inclusion counts Binomial(T, q), all pairs
+    uncorrelated, no lag-1/2 autocorrelation (helpers.poisson_law_p_values); neighbours on different ranks included
+    together with probability q^2, no cross-rank correlation at lags -2..2, neither rank's stream a shifted copy of the
+    other's (helpers.cross_rank_p_values).  Each of the 2 x 7 p-values must exceed 1e-6: a correct sampler fails with
+    probability below 1.4e-5 (the secure streams are fresh on every run; the seeded ones are fixed).  Every rank
+    seeded alike (examples 2k, 2k + 1 in or out together) gives p ~ 0 on the batch-size law, the pairs and the
+    neighbours; rank 1's stream overlapping rank 0's one uniform, one step or ten steps later gives p ~ 0 on the pairs,
+    the lags or the shifted copy."""
+    n, batch, steps = 200, 20, 1000
+    out = tmp_path / "drawn"
+    runs = spawn_workers("sampled_indices", 2, tmp_path, str(out), n, batch, steps, timeout=240)
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-3000:] + runs[1].stderr[-3000:]
+    drawn = [torch.load(f"{out}.{r}") for r in (0, 1)]
+    for kind in ("seeded", "secure"):
+        x0, x1 = drawn[0][kind], drawn[1][kind]
+        assert not x0[:, 1::2].any() and not x1[:, 0::2].any()  # each rank samples its own examples only
+        p = {**poisson_law_p_values((x0 | x1).double(), batch / n),
+             **cross_rank_p_values(x0[:, 0::2], x1[:, 1::2], batch / n)}
+        assert min(p.values()) > 1e-6, (kind, p)
+
+
 def test_ranks_that_diverge_are_detected_on_every_rank(tmp_path):
     """After a relative 1e-6 change to one rank's copy of a factor, the replica check fails on both ranks (naming the
     step); before it, the copies are bitwise identical."""
@@ -81,22 +92,10 @@ def test_ranks_that_diverge_are_detected_on_every_rank(tmp_path):
 
 def test_a_killed_rank_gives_a_clear_error_not_a_hang(tmp_path):
     out = tmp_path / "kill"
-    t0 = time.time()
     codes = _spawn(dist_workers.dies_after, 2, tmp_path, str(out), 3, timeout=150)
     assert codes[1] == 3
     err = json.loads((tmp_path / "kill.err0").read_text())
-    assert err["type"] == "PeerLostError" and "stopped or lost its connection" in err["msg"]
-    assert time.time() - t0 < 150
-
-
-def _torchrun(nproc, args, env_extra=None, timeout=300, wait=True):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           **(env_extra or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port",
-           str(29500 + os.getpid() % 1000), "-m", "prismdp", "train", *args]
-    if not wait:
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    assert err["type"] == "PeerLostError" and "stopped or lost its connection" in err["msg"]  # within 150 s: bounded
 
 
 def test_torchrun_run_reports_the_same_privacy_as_one_process_and_survives_empty_local_batches(tiny_bert_dir,
@@ -110,38 +109,23 @@ def test_torchrun_run_reports_the_same_privacy_as_one_process_and_survives_empty
 
     from prismdp.cli import main
 
-    def rank1_pid(torchrun_pid):  # the worker started by torchrun with RANK=1
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            for d in Path("/proc").iterdir():
-                try:
-                    if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == torchrun_pid \
-                            and b"RANK=1" in (d / "environ").read_bytes().split(b"\0"):
-                        return int(d.name)
-                except (OSError, IndexError, ValueError):
-                    continue
-            time.sleep(0.1)
-        raise AssertionError("no rank-1 worker found")
-
     common = ["--model", tiny_bert_dir, "--synthetic-train", "96", "--synthetic-test", "16", "--steps", "20",
               "--batch-size", "1", "--micro-batch-size", "4", "--rank", "2", "--alpha", "4", "--max-length", "16",
               "--lr", "1e-2", "--quiet", "--checkpoint-every", "100"]
     assert main(["train", *common, "--output", str(tmp_path / "one")]) == 0
     two = tmp_path / "two"
-    proc = _torchrun(2, [*common, "--output", str(two)], wait=False)
-    interrupt_when_logged(two / "metrics.jsonl", 2, pid=rank1_pid(proc.pid))
-    try:
-        _, err = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:  # ranks that stop after different steps wait for each other's collectives
-        proc.terminate()  # torchrun passes it on to its workers and kills them 30 s later
-        proc.communicate(timeout=120)
-        raise AssertionError("the ranks did not stop together: a hang")
+    with Spawned([torchrun_cmd(2, "-m", "prismdp", "train", *common, "--output", str(two))], tmp_path / "logs") as run:
+        # SIGINT to the worker torchrun started with RANK=1; ranks that stopped after different steps would wait for
+        # each other's collectives: the bounded wait kills torchrun and both workers and fails
+        interrupt_when_logged(two / "metrics.jsonl", 2, pid=run.find("RANK=1"))
+        err = run.wait(300)[0].stderr
     stopped = torch.load(two / "checkpoint.pt", weights_only=False)["step"]
     assert 2 <= stopped < 20 and f"stopped after step {stopped} of 20 (a stop request to another process)" in err, \
         err[-3000:]
     assert len((two / "metrics.jsonl").read_text().splitlines()) == stopped
     assert "PeerLostError" not in err and "ReplicaDivergenceError" not in err, err[-3000:]
-    res = _torchrun(2, [*common, "--output", str(tmp_path / "two"), "--resume"])
+    res = torchrun(2, ["-m", "prismdp", "train", *common, "--output", str(tmp_path / "two"), "--resume"], tmp_path,
+                   timeout=300, name="resume2")
     assert res.returncode == 0, res.stderr[-3000:]
     one = json.loads((tmp_path / "one" / "privacy.json").read_text())
     two = json.loads((tmp_path / "two" / "privacy.json").read_text())
@@ -150,5 +134,20 @@ def test_torchrun_run_reports_the_same_privacy_as_one_process_and_survives_empty
     assert json.loads((tmp_path / "two" / "config.json").read_text())["world_size"] == 2
     sizes = [json.loads(line)["batch_size"] for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert len(sizes) == 20 and sum(n <= 1 for n in sizes) >= 2  # global batches of 0-1: a rank's was empty
-    res = _torchrun(3, [*common, "--output", str(tmp_path / "two"), "--resume"])
+    res = torchrun(3, ["-m", "prismdp", "train", *common, "--output", str(tmp_path / "two"), "--resume"], tmp_path,
+                   timeout=300, name="resume3")
     assert res.returncode != 0 and "same number" in res.stderr
+
+
+def test_a_hung_torchrun_is_killed_with_all_its_workers(tmp_path):
+    """The tests' own safety net (helpers.Spawned): a torchrun whose two workers never finish fails the bounded wait
+    with 'a hang', and afterwards no process of it is left: not torchrun, not its workers (which torchrun starts in
+    sessions of their own, out of reach of a kill of torchrun's process group)."""
+    from helpers import _tagged
+
+    with Spawned([torchrun_cmd(2, "--no-python", "sleep", "600")], tmp_path / "logs") as run:
+        workers = [run.find(f"RANK={r}") for r in (0, 1)]
+        assert all(os.getsid(w) != os.getsid(run.procs[0].pid) for w in workers)  # what a group kill would miss
+        with pytest.raises(AssertionError, match="still running after 1 s \\(a hang\\); all killed"):
+            run.wait(1)
+        assert not _tagged(run.tag)

@@ -6,6 +6,8 @@ import pytest
 import torch
 from opacus.accountants import PRVAccountant, RDPAccountant
 
+from helpers import poisson_law_p_values
+
 from prismdp.privacy import (
     BudgetExhaustedError,
     PoissonSampler,
@@ -241,35 +243,6 @@ def inclusion_matrix(sampler) -> torch.Tensor:
         row[batch] = 1.0
         rows.append(row)
     return torch.stack(rows)
-
-
-def poisson_law_p_values(x: torch.Tensor, q: float) -> dict:
-    """p-values of the Poisson sampling law on an inclusion matrix x (steps, N): every entry an independent
-    Bernoulli(q).  Checked: batch sizes Binomial(N, q) (chi-square goodness of fit), each example's inclusion count
-    Binomial(steps, q) (chi-square over examples), independence across examples (pairwise correlations:
-    steps * sum r_ij^2 ~ chi2(N (N-1) / 2)) and across steps (each example's lag-1 and lag-2 autocorrelation,
-    steps * sum r^2 ~ chi2(2 N))."""
-    from scipy import stats
-
-    T, N = x.shape
-    out = {}
-    sizes = x.sum(1).numpy()
-    lo, hi = int(stats.binom.ppf(0.005, N, q)), int(stats.binom.ppf(0.995, N, q))
-    edges = [-0.5] + [k + 0.5 for k in range(lo, hi)] + [N + 0.5]
-    observed = [((sizes > a) & (sizes < b)).sum() for a, b in zip(edges, edges[1:])]
-    cdf = stats.binom.cdf([e for e in edges[1:-1]], N, q)
-    expected = T * torch.diff(torch.tensor([0.0, *cdf, 1.0], dtype=torch.float64)).numpy()
-    out["batch size ~ Binomial(N, q)"] = stats.chisquare(observed, expected).pvalue
-    counts = x.sum(0).numpy()
-    z = (counts - T * q) / math.sqrt(T * q * (1 - q))
-    out["inclusions per example ~ Binomial(T, q)"] = stats.chi2.sf(float((z ** 2).sum()), N)
-    xc = (x - x.mean(0)) / x.std(0, unbiased=False)
-    corr = (xc.T @ xc) / T
-    pairs = corr[torch.triu(torch.ones(N, N, dtype=torch.bool), diagonal=1)]
-    out["independent across examples"] = stats.chi2.sf(float(T * (pairs ** 2).sum()), N * (N - 1) // 2)
-    lags = torch.cat([(xc[lag:] * xc[:-lag]).mean(0) for lag in (1, 2)])
-    out["independent across steps"] = stats.chi2.sf(float(T * (lags ** 2).sum()), 2 * N)
-    return out
 
 
 def test_sampler_draws_independent_bernoulli_inclusions():
