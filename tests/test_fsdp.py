@@ -1,28 +1,17 @@
 """A frozen base sharded across processes with FSDP2 (``--fsdp``, prismdp.sharding): gloo processes on the CPU."""
 
-import multiprocessing as mp
-import time
+import json
 
 import pytest
 import torch
 
-import fsdp_workers
+import dist_workers
+from helpers import Spawned, interrupt_when_logged, spawn_workers, torchrun, torchrun_cmd
 
 
 def _spawn(fn, world, tmp_path, *args, timeout=240):
-    ctx = mp.get_context("spawn")
-    init = tmp_path / "init"
-    procs = [ctx.Process(target=fn, args=(r, world, str(init), *args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.time() + timeout
-    for p in procs:
-        p.join(max(1.0, deadline - time.time()))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, f"{len(alive)} process(es) still running after {timeout} s: a hang"
-    return [p.exitcode for p in procs]
+    """Exit codes of ``world`` processes running dist_workers.<fn> (bounded: a hang kills them all and fails)."""
+    return [r.returncode for r in spawn_workers(fn.__name__, world, tmp_path, *args, timeout=timeout)]
 
 
 @pytest.mark.parametrize("method", ["prism", "dp-adamw"])
@@ -31,9 +20,9 @@ def test_a_sharded_base_follows_the_one_process_trajectory(tmp_path, method):
     block's weights), the LoRA factors whole on both: the float64 trajectory equals the unsharded one-process run's to
     1e-10 on the same logical batches (one of them empty on rank 1, which runs idle micro-steps beside rank 0's)."""
     one = tmp_path / "one"
-    fsdp_workers.trajectory(0, 1, "", str(one), method, False)
+    dist_workers.fsdp_trajectory(0, 1, "", str(one), method, False)
     two = tmp_path / "two"
-    codes = _spawn(fsdp_workers.trajectory, 2, tmp_path, str(two), method, True)
+    codes = _spawn(dist_workers.fsdp_trajectory, 2, tmp_path, str(two), method, True)
     errs = sorted(tmp_path.glob("two.err*"))
     assert codes == [0, 0], errs[0].read_text() if errs else codes
     a = torch.load(f"{one}.0")
@@ -53,22 +42,16 @@ def test_a_sharded_base_follows_the_one_process_trajectory(tmp_path, method):
 def test_a_killed_rank_gives_the_clear_error_inside_a_sharded_forward(tmp_path):
     """Rank 1 dies after 3 steps: rank 0, waiting in FSDP's all-gather, reports PeerLostError (the run's own error
     naming the lost peer and the resume), not gloo's RuntimeError or a hang."""
-    import json
-
     out = tmp_path / "kill"
-    t0 = time.time()
-    codes = _spawn(fsdp_workers.dies_after, 2, tmp_path, str(out), 3, timeout=150)
+    codes = _spawn(dist_workers.fsdp_dies_after, 2, tmp_path, str(out), 3, timeout=150)
     assert codes[1] == 3
     err = json.loads((tmp_path / "kill.err0").read_text())
     assert err["type"] == "PeerLostError" and "stopped or lost its connection" in err["msg"], err
     assert "sharded model" in err["msg"]
-    assert time.time() - t0 < 150
 
 
 def _math_file(folder):
     """A tiny LLM-Adapters training file and a GSM8K-style test set beside it (the generation eval runs too)."""
-    import json
-
     folder.mkdir(parents=True, exist_ok=True)
     recs = [{"instruction": f"What is {i} plus {i + 1}?", "input": "", "output": f"The answer is {2 * i + 1}.",
              "answer": str(2 * i + 1)} for i in range(40)]
@@ -83,12 +66,7 @@ def test_torchrun_fsdp_run_matches_the_one_process_privacy_report_resumes_and_ex
     ranks stop after the same step, rank 0 writes the checkpoint), resumed with --resume; privacy.json equals the
     one-process run's (world_size aside); both ranks ran the generation eval (a collective) and rank 0 wrote it; the
     adapter loads with stock PEFT on the original (unsharded) base."""
-    import json
-    import subprocess
-
-    from helpers import interrupt_when_logged
     from peft import PeftModel
-    from test_distributed import _torchrun
     from transformers import AutoModelForCausalLM
 
     from prismdp.cli import main
@@ -100,17 +78,14 @@ def test_torchrun_fsdp_run_matches_the_one_process_privacy_report_resumes_and_ex
               "--max-new-tokens", "4", "--checkpoint-every", "100", "--quiet"]
     assert main(["train", *common, "--output", str(tmp_path / "one")]) == 0
     two = tmp_path / "two"
-    proc = _torchrun(2, [*common, "--fsdp", "--output", str(two)], wait=False)
-    interrupt_when_logged(two / "metrics.jsonl", 2, pid=proc.pid)
-    try:
-        _, err = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate(timeout=60)
-        raise AssertionError("the sharded run did not stop: a hang")
+    with Spawned([torchrun_cmd(2, "-m", "prismdp", "train", *common, "--fsdp", "--output", str(two))],
+                 tmp_path / "logs") as run:
+        interrupt_when_logged(two / "metrics.jsonl", 2, pid=run.procs[0].pid)  # Ctrl-C to torchrun: every rank
+        err = run.wait(300)[0].stderr
     stopped = torch.load(two / "checkpoint.pt", weights_only=False)["step"]
     assert 2 <= stopped < 6 and "PeerLostError" not in err, err[-3000:]
-    res = _torchrun(2, [*common, "--fsdp", "--output", str(two), "--resume"])
+    res = torchrun(2, ["-m", "prismdp", "train", *common, "--fsdp", "--output", str(two), "--resume"], tmp_path,
+                   timeout=300, name="resume")
     assert res.returncode == 0, res.stderr[-3000:]
     one = json.loads((tmp_path / "one" / "privacy.json").read_text())
     got = json.loads((two / "privacy.json").read_text())
@@ -132,31 +107,16 @@ def test_private_trainer_with_the_trainers_fsdp_setting_shards_the_base_and_trai
     micro-steps of the sharded run draw masks the other run does not), to float32 round-off (a wrong example or noise
     draw moves the factors by ~lr = 1e-2); the privacy reports are equal and both ranks end with the same trained
     tensors."""
-    import json
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     from safetensors.torch import load_file
 
-    here = Path(__file__).parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
+    worker = str(Path(__file__).parent / "fsdp_trainer_worker.py")
     runs = {}
     for name, fsdp in (("ddp", ""), ("fsdp", "full_shard")):
         out = tmp_path / name
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port",
-               str(31500 + os.getpid() % 1000), str(here / "fsdp_trainer_worker.py"), tiny_bert_dir, str(out), "3", fsdp]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                start_new_session=True)
-        try:
-            _, err = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.communicate()
-            raise AssertionError(f"the {name} Trainer run hung")
-        assert proc.returncode == 0, err[-4000:]
+        res = torchrun(2, [worker, tiny_bert_dir, str(out), "3", fsdp], tmp_path, timeout=300, name=name)
+        assert res.returncode == 0, res.stderr[-4000:]
         r0, r1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
         assert r0["checksum"] == r1["checksum"] and r0["steps"] == 3 and r0["lockstep"] == bool(fsdp)
         runs[name] = (load_file(str(out / "adapter_model.safetensors")), json.loads((out / "privacy.json").read_text()))
