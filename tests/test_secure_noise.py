@@ -148,9 +148,10 @@ def test_secure_inclusions_and_noise_come_from_os_keys_alone(monkeypatch):
     runs = []
     for seed in (1, 2):  # and torch seeded differently in the two runs
         monkeypatch.setattr(secrets, "token_bytes", fixed_keys())
+        model = tiny_net(seed=0)
         torch.manual_seed(seed)
-        private = make_private(tiny_net(seed=0), method="dp-adamw", lr=1e-3, dataset_size=200, batch_size=20,
-                               steps=3, noise_multiplier=1.0, secure_noise=True)
+        private = make_private(model, method="dp-adamw", lr=1e-3, dataset_size=200, batch_size=20, steps=3,
+                               noise_multiplier=1.0, secure_noise=True)
         noises = []
         private.optimizer.attach_step_hook(lambda r: noises.append([x.clone() for x in r.release.noise]))
         batches = []
