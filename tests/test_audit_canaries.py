@@ -1,6 +1,7 @@
 """Gradient canaries against dense references (float64): each injected canary is one example of norm exactly C along
 its direction, in the method's own geometry, and the scorer reads that direction back from the release."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,11 +16,11 @@ from prismdp.optim import PRISM, dp_adamw
 C, B = 0.7, 4.0
 
 
-def _optimizer(method):
+def _optimizer(method, sigma=0.0):
     model = tiny_net(seed=0, dtype=torch.float64)
     pairs = find_lora_pairs(model)
     sampler = GradSampler(model, pairs)
-    mech = mechanism(0.0, C, B)
+    mech = mechanism(sigma, C, B, seed=0)
     if method == "prism":
         move_to_rank_r_start(pairs)
         return PRISM(pairs, lr=1e-3, dense_params=sampler.dense_params, mechanism=mech, adaptive=False)
@@ -70,6 +71,36 @@ def test_one_canary_is_one_example_of_norm_C_along_its_direction(method):
     for j in (0, 1, 3, 4):  # the others: the inner product of the release with their own unit directions
         expected = float(_dense_release(opt, records[0]) @ _dense_unit(canaries, j, records[0]))
         assert scores[j] == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("method", ["prism", "dp-adamw"])
+def test_scores_sum_over_steps_against_dense_references(method):
+    """Five noisy steps with canaries sampled at rate 1/2, PRISM's point moving between them: each canary's score is
+    the sum over the steps of <release_t, unit direction_t>, both formed densely in float64 at that step's point (not
+    the last release's, nor the mean's)."""
+    opt = _optimizer(method, sigma=1.0)
+    canaries = CanarySet.first(layout_of(opt), root=7, m=6, dtype=torch.float64)
+    opt.mechanism.attach_example_source(CanaryInjector(canaries.subset([1, 4]), 0.5, C,
+                                                       torch.Generator().manual_seed(1)))
+    per_step, points = [], []
+
+    def reference(record):
+        points.append(None if record.factors is None else record.factors[0][0].clone())
+        release = _dense_release(opt, record)
+        per_step.append(torch.stack([release @ _dense_unit(canaries, j, record) for j in range(6)]))
+
+    opt.attach_step_hook(reference)
+    scorer = GradientScorer(canaries)
+    opt.attach_step_hook(scorer)
+    for _ in range(5):
+        opt.step()
+    expected = torch.stack(per_step).sum(0).numpy()
+    assert scorer.steps == 5
+    assert np.allclose(scorer.scores(), expected, rtol=1e-9, atol=1e-12)
+    # the steps are not alike (noise of sd sigma C / b = 0.175 per step and coordinate): no one step gives the sum
+    assert all(np.abs(s.numpy() - expected).max() > 0.05 for s in per_step)
+    if method == "prism":  # the tangent spaces of the steps differ
+        assert not torch.allclose(points[0], points[-1], rtol=0, atol=1e-6)
 
 
 def test_prism_canary_norm_is_the_mechanisms_clipping_norm():
