@@ -652,3 +652,39 @@ def test_results_from_a_different_grid_is_an_error_naming_the_file_and_cell(tmp_
     grid.write_text(yaml.safe_dump(_qqp_grid(tmp_path / "other")))
     assert main(["experiment", str(grid), "--dry-run", "--results-from", str(tmp_path / "nope.csv")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_tuning_chooses_the_rate_that_peaks_on_val_not_the_one_that_peaks_on_the_reported_dev_set(tmp_path):
+    """val (held-out training examples) peaks at lr 1e-3 and the reported dev set (`validation`) at 1e-2, for both
+    methods: every group chooses 1e-3 (inside the grid: no widening), the other seed runs only there, and the tables
+    report the dev scores of the 1e-3 runs.  Tuned on dev, 1e-2 (at the edge, then widened to 3e-2) would win."""
+    import math
+
+    from prismdp.experiment.tuning import Plan
+
+    trained = []
+
+    def fake_train(cfg, resume=False, progress=False, log=None):
+        trained.append((cfg.lr, cfg.seed))
+        val = 0.9 - 0.1 * abs(math.log10(cfg.lr / 1e-3))
+        dev = 0.8 - 0.1 * abs(math.log10(cfg.lr / 1e-2)) + 0.01 * cfg.seed
+        folder = Path(cfg.output)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
+        (folder / "summary.json").write_text(json.dumps({
+            "steps": 1, "privacy": {"private": cfg.dp}, "eval": {"val": {"score": val}, "validation": {"score": dev}}}))
+
+    exp = load_experiment({"name": "T", "output": str(tmp_path), "tasks": {"sst2": {}}, "base": {"holdout_val": 10},
+                           "methods": ["dp-adamw", "prism"], "privacy": [3], "seeds": [1, 2],
+                           "lrs": [3e-4, 1e-3, 3e-3, 1e-2], "tune": {"by": "val", "widen": 1}})
+    run = run_experiment(exp, progress=False, log=lambda *a: None, train_fn=fake_train)
+    assert not run.failures
+    plan = Plan(exp, tmp_path)
+    assert {k: g.chosen for k, g in plan.groups.items()} == {("sst2", m, "eps3"): 1e-3 for m in ("dp-adamw", "prism")}
+    assert sorted(set(trained)) == sorted({(lr, 1) for lr in (3e-4, 1e-3, 3e-3, 1e-2)} | {(1e-3, 2)})
+    rows = [r for r in csv.DictReader(open(tmp_path / "results.csv")) if r["seed"] == "2"]
+    assert len(rows) == 2 and {r["lr"] for r in rows} == {"0.001"}
+    md = (tmp_path / "results.md").read_text()
+    assert "| ε=3 | AdamW | **0.715 ± 0.007** |" in md  # dev at 1e-3: 0.8 - 0.1 + 0.01 x seed, seeds 1 and 2
+    assert "| sst2 | ε=3 | PRISM | 0.8477 | **0.9000** | 0.8523 | 0.8000 | 0.001 |" in md  # val, chosen 1e-3
+
