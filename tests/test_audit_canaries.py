@@ -130,3 +130,39 @@ def test_injector_samples_each_canary_at_rate_q():
         inj(opt.coords)
     # 50 canaries x 40 steps x q = 0.2: 400 expected, sd 12.6
     assert 340 <= inj.sampled <= 460
+
+
+def _synthetic_audit(seed, noise_scale, eps=1.0, q=0.5, steps=8, m=1000, d=8192, delta=1e-5):
+    """One gradient-canary audit of the mechanism alone (no model; releases over one tensor of d coordinates): sigma
+    calibrated for (eps, delta) at rate q over the steps, the mechanism secretly drawing ``noise_scale`` x that
+    noise; m canaries, each in with probability 1/2, sampled at rate q per step; scores by GradientScorer; the bound of
+    audit_one_run.  Returns the lower bound on epsilon."""
+    from prismdp.audit.canaries import EuclideanLayout
+    from prismdp.audit.statistics import audit_one_run
+    from prismdp.optim.hooks import StepRecord
+    from prismdp.privacy import calibrate_sigma
+    from prismdp.privacy.clipping import DPConfig
+    from prismdp.privacy.mechanism import Euclidean, GaussianMechanism
+
+    sigma = calibrate_sigma(eps, delta, q, steps, accountant="prv")
+    public = CanarySet.first(EuclideanLayout(((d,),)), root=seed, m=m)
+    coins = np.random.default_rng(seed).random(m) < 0.5
+    mech = GaussianMechanism(DPConfig(noise_scale * sigma, C, B), generator=torch.Generator().manual_seed(seed))
+    mech.attach_example_source(CanaryInjector(public.subset(np.flatnonzero(coins).tolist()), q, C,
+                                              torch.Generator().manual_seed(seed + 1)))
+    coords = Euclidean([torch.Size([d])], torch.float32, [torch.device("cpu")])
+    scorer = GradientScorer(public)
+    for _ in range(steps):
+        scorer(StepRecord(mech.release(coords)))
+    scores = scorer.scores()
+    return audit_one_run(scores[coins], scores[~coins], delta=delta).eps_lower_bound
+
+
+def test_the_audit_detects_a_mechanism_drawing_a_fifth_of_its_noise_over_eight_steps():
+    """Power at a weakening a bug could cause, over several steps (the scorer must add them up): epsilon 1 claimed
+    (delta 1e-5, q 1/2, 8 steps, sigma 5.65), the mechanism drawing 0.2 x sigma, 1000 canaries.  Measured over seeds
+    1000-1019 (issue 29): detected (bound > 1) in 20 of 20 audits, bounds 1.22-2.05, median 1.53; a scorer that
+    keeps only the last release detects none (0 of 10 at 0.25 x sigma).  The one-run audit cannot see noise halved
+    here (0 of 20, median bound 0.05, as with the full noise: 0 of 20, median 0.07), nor at epsilon 8 with 20,000
+    canaries even at 0.2 x sigma (a Gaussian-score simulation: bounds about 6.4): its bound is far below the claim."""
+    assert _synthetic_audit(1000, noise_scale=0.2) > 1.0
