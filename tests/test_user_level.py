@@ -11,17 +11,6 @@ from prismdp.cli import main
 from prismdp.train.step import unit_micro_batches
 
 
-class _Rows(torch.utils.data.Dataset):
-    def __init__(self, rows):
-        self.rows = rows
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
-
-
 def test_unit_micro_batches_keep_every_unit_whole_and_number_units_per_micro_batch():
     examples = [{"input_ids": [0] * n} for n in (3, 9, 2, 5, 5, 1, 7)]
     units = [[0, 1], [2], [3, 4, 5], [6]]
@@ -127,7 +116,7 @@ def test_private_trainer_samples_whole_users_and_clips_each_user_to_C(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, learning_rate=1e-3,
                              max_steps=steps, seed=3, lr_scheduler_type="constant", report_to=[], logging_steps=1,
                              save_strategy="no", remove_unused_columns=False, use_cpu=True, disable_tqdm=True)
-    trainer = PrivateTrainer(model=tiny_bert_cls(), args=args, train_dataset=_Rows(rows), data_collator=collate,
+    trainer = PrivateTrainer(model=tiny_bert_cls(), args=args, train_dataset=rows, data_collator=collate,
                              privacy_args=PrivacyArguments(method="dp-adamw", noise_multiplier=sigma,
                                                            per_sample_max_grad_norm=C, expected_batch_size=3,
                                                            privacy_unit="user", user_id_column="user"))
