@@ -484,7 +484,7 @@ def test_excluded_groups_are_not_in_the_plan_nor_in_the_learning_rate_table(tmp_
     from prismdp.experiment.tuning import Plan
 
     exp = load_experiment({"name": "T", "output": str(tmp_path), "tasks": {"sst2": {}, "qqp": {}},
-                           "methods": ["prism", "dp-adamw"], "privacy": [3], "seeds": [1],
+                           "base": {"holdout_val": 10}, "methods": ["prism", "dp-adamw"], "privacy": [3], "seeds": [1],
                            "lrs": [1e-3, 3e-3], "tune": {"by": "val", "widen": 0}, "exclude": ["qqp__dp-adamw__*"]})
     run_experiment(exp, progress=False, log=lambda *a: None, train_fn=_train_scoring_lr)
     plan = Plan(exp, tmp_path)
@@ -497,7 +497,7 @@ def test_excluded_groups_are_not_in_the_plan_nor_in_the_learning_rate_table(tmp_
 def test_a_tuned_run_of_a_subset_writes_the_tables_of_the_whole_grid(tmp_path):
     """`--methods prism` on a tuned grid whose DP-AdamW cells are done must not drop DP-AdamW from results.md /
     results.csv (every process of a grid rewrites them; each used to write only its own subset)."""
-    exp = load_experiment({"name": "T", "output": str(tmp_path), "tasks": {"sst2": {}},
+    exp = load_experiment({"name": "T", "output": str(tmp_path), "tasks": {"sst2": {}}, "base": {"holdout_val": 10},
                            "methods": ["prism", "dp-adamw"], "privacy": [3], "seeds": [1], "lrs": [1e-3, 3e-3],
                            "tune": {"by": "val", "widen": 0}})
     run_experiment(exp, methods=["dp-adamw"], progress=False, log=lambda *a: None, train_fn=_train_scoring_lr)
@@ -593,7 +593,8 @@ def _train_qqp_like(cfg, resume=False, progress=False, log=None):
 
 
 def _qqp_grid(out):
-    return {"name": "T", "output": str(out), "tasks": {"qqp": {"holdout_test": 20}}, "base": {"steps": 2},
+    return {"name": "T", "output": str(out), "tasks": {"qqp": {"holdout_test": 20}},
+            "base": {"steps": 2, "holdout_val": 10},
             "methods": ["prism", "dp-adamw"], "privacy": [3, "non-dp"], "seeds": [1, 2],
             "lrs": [3e-4, 1e-3, 3e-3, 1e-2], "tune": {"by": "val", "widen": 1}}
 
@@ -689,3 +690,72 @@ def test_budget_curves_pair_each_seed_at_each_step_budget(tmp_path):
     dots = sorted((int(x), round(float(y), 3)) for coll in ax.collections if isinstance(coll, PathCollection)
                   for x, y in coll.get_offsets())
     assert len(dots) == 16 and (320, 0.772) in dots and (80, 0.722) in dots and (80, 0.744) in dots
+
+
+def test_tuning_chooses_the_rate_that_peaks_on_val_not_the_one_that_peaks_on_the_reported_dev_set(tmp_path):
+    """val (held-out training examples) peaks at lr 1e-3 and the reported dev set (`validation`) at 1e-2, for both
+    methods: every group chooses 1e-3 (inside the grid: no widening), the other seed runs only there, and the tables
+    report the dev scores of the 1e-3 runs.  Tuned on dev, 1e-2 (at the edge, then widened to 3e-2) would win."""
+    import math
+
+    from prismdp.experiment.tuning import Plan
+
+    trained = []
+
+    def fake_train(cfg, resume=False, progress=False, log=None):
+        trained.append((cfg.lr, cfg.seed))
+        val = 0.9 - 0.1 * abs(math.log10(cfg.lr / 1e-3))
+        dev = 0.8 - 0.1 * abs(math.log10(cfg.lr / 1e-2)) + 0.01 * cfg.seed
+        folder = Path(cfg.output)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
+        (folder / "summary.json").write_text(json.dumps({
+            "steps": 1, "privacy": {"private": cfg.dp}, "eval": {"val": {"score": val}, "validation": {"score": dev}}}))
+
+    exp = load_experiment({"name": "T", "output": str(tmp_path), "tasks": {"sst2": {}}, "base": {"holdout_val": 10},
+                           "methods": ["dp-adamw", "prism"], "privacy": [3], "seeds": [1, 2],
+                           "lrs": [3e-4, 1e-3, 3e-3, 1e-2], "tune": {"by": "val", "widen": 1}})
+    run = run_experiment(exp, progress=False, log=lambda *a: None, train_fn=fake_train)
+    assert not run.failures
+    plan = Plan(exp, tmp_path)
+    assert {k: g.chosen for k, g in plan.groups.items()} == {("sst2", m, "eps3"): 1e-3 for m in ("dp-adamw", "prism")}
+    assert sorted(set(trained)) == sorted({(lr, 1) for lr in (3e-4, 1e-3, 3e-3, 1e-2)} | {(1e-3, 2)})
+    rows = [r for r in csv.DictReader(open(tmp_path / "results.csv")) if r["seed"] == "2"]
+    assert len(rows) == 2 and {r["lr"] for r in rows} == {"0.001"}
+    md = (tmp_path / "results.md").read_text()
+    assert "| ε=3 | AdamW | **0.715 ± 0.007** |" in md  # dev at 1e-3: 0.8 - 0.1 + 0.01 x seed, seeds 1 and 2
+    assert "| sst2 | ε=3 | PRISM | 0.8477 | **0.9000** | 0.8523 | 0.8000 | 0.001 |" in md  # val, chosen 1e-3
+
+
+@pytest.mark.parametrize("task, layer, by, column", [
+    ("sst2", {"holdout_val": 10}, "validation", "sst2"),                       # SST-2's dev set
+    ("qqp", {"holdout_val": 10, "holdout_test": 20}, "test", "qqp"),          # QQP's held-out test split
+    ("mnli", {"holdout_val": 10}, "validation_matched", "mnli"),              # half of MNLI's column
+    ("synthetic", {}, "test", "synthetic"),
+])
+def test_tuning_on_a_split_the_tables_report_is_refused_when_the_grid_is_loaded(tmp_path, capsys, task, layer, by,
+                                                                               column):
+    grid = {"name": "T", "output": str(tmp_path / "out"), "tasks": {task: layer}, "methods": ["prism"],
+            "privacy": [3], "seeds": [1], "lrs": [1e-3, 3e-3], "tune": {"by": by}}
+    with pytest.raises(ConfigError, match=rf"tune: by: '{by}' is an eval set the tables report \(the {column} column"):
+        load_experiment(grid)
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(grid))
+    assert main(["experiment", str(path), "--quiet"]) == 2  # refused before any cell is trained
+    err = capsys.readouterr().err
+    assert "tune: {by: val}" in err and "holdout_val" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_tuning_on_val_is_refused_where_a_cell_holds_out_no_val_split(tmp_path):
+    """`by: val` needs every tuned cell to carve `val` from its training data (holdout_val); without it every rate
+    used to score NaN and the smallest rate was chosen silently."""
+    grid = {"name": "T", "output": str(tmp_path), "tasks": {"sst2": {"holdout_val": 10}, "qqp": {}},
+            "methods": ["prism"], "privacy": [3], "seeds": [1], "lrs": [1e-3, 3e-3], "tune": {"by": "val"}}
+    with pytest.raises(ConfigError, match=r"tune: by: val needs holdout_val .* qqp.*holdout_val: N"):
+        load_experiment(grid)
+    load_experiment({**grid, "base": {"holdout_val": 10}})  # in base: every task has it
+    with pytest.raises(ConfigError, match=r"task 'synthetic' .* no held-out tuning split"):
+        load_experiment({**grid, "tasks": {"synthetic": {}}})
+    with pytest.raises(ConfigError, match=r"tune: by: 'dev': no run of this grid evaluates"):
+        load_experiment({**grid, "base": {"holdout_val": 10}, "tune": {"by": "dev"}})

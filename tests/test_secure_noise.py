@@ -95,3 +95,104 @@ def test_secure_run_reports_its_generator_and_resumes(tiny_bert_dir, tmp_path):
     assert "ChaCha20" in privacy["noise_source"]["generator"]
     assert "Holohan" in privacy["noise_source"]["gaussian"]
     assert json.loads((tmp_path / "s" / "config.json").read_text())["secure_noise"] is True
+
+
+def _secure_run(method, steps=3, n=200, b=20):
+    """A secure make_private run on a tiny model with torch's global generator re-seeded to 0 before the run and
+    before each step's sample and noise: the Poisson batches, the noise of each release, and the report."""
+    torch.manual_seed(0)
+    private = make_private(tiny_net(seed=0), method=method, lr=1e-3, dataset_size=n, batch_size=b, steps=steps,
+                           noise_multiplier=1.0, secure_noise=True)
+    noises = []
+    private.optimizer.attach_step_hook(lambda r: noises.append(torch.cat([x.flatten() for x in r.release.noise])))
+    batches = []
+    torch.manual_seed(0)
+    for batch in private.batches():
+        batches.append(batch.tolist())
+        torch.manual_seed(0)
+        private.step()  # an empty logical batch as far as the data go: the release is noise alone
+        torch.manual_seed(0)
+    return batches, noises, private.privacy_report()
+
+
+@pytest.mark.parametrize("method", ["prism", "dp-adamw"])
+def test_secure_inclusions_and_noise_do_not_follow_torch_seeds_and_the_report_names_chacha20_for_both(method):
+    """--secure-noise: two runs with identical torch seeds (the global generator re-seeded before every draw) give
+    different Poisson samples and different noise, and no two steps of one run repeat; the report reads, from the
+    generators in use, ChaCha20 for the noise and for the inclusions."""
+    (b1, n1, rep), (b2, n2, _) = _secure_run(method), _secure_run(method)
+    assert b1 != b2  # 3 steps of 200 inclusions at q = 0.1: equal with probability ~1e-90 if independent
+    for x, y in zip(n1, n2):
+        assert not torch.equal(x, y)
+    assert not torch.equal(n1[0], n1[1]) and b1[0] != b1[1]
+    assert rep["secure_noise"] is True
+    assert "ChaCha20" in rep["noise_source"]["generator"] and "Holohan" in rep["noise_source"]["gaussian"]
+    assert "ChaCha20" in rep["sampling_source"]["generator"]
+    plain = make_private(tiny_net(seed=0), method=method, lr=1e-3, dataset_size=200, batch_size=20, steps=3,
+                         noise_multiplier=1.0, seed=0).privacy_report()
+    assert plain["secure_noise"] is False  # the report reads the generators: Mersenne Twister without the flag
+    assert "Mersenne" in plain["noise_source"]["generator"] and "Mersenne" in plain["sampling_source"]["generator"]
+
+
+def test_secure_inclusions_and_noise_come_from_os_keys_alone(monkeypatch):
+    """The converse: with the OS's key source (secrets.token_bytes) replaced by a fixed sequence of keys, two secure
+    runs draw the same samples and the same noise, although nothing else is seeded -- so no other source (torch, an
+    OS-drawn seed for a Mersenne Twister) feeds either."""
+    import hashlib
+    import secrets
+
+    def fixed_keys():
+        count = iter(range(10**6))
+        return lambda n=32: hashlib.sha256(str(next(count)).encode()).digest()[:n]
+
+    runs = []
+    for seed in (1, 2):  # and torch seeded differently in the two runs
+        monkeypatch.setattr(secrets, "token_bytes", fixed_keys())
+        model = tiny_net(seed=0)
+        torch.manual_seed(seed)
+        private = make_private(model, method="dp-adamw", lr=1e-3, dataset_size=200, batch_size=20, steps=3,
+                               noise_multiplier=1.0, secure_noise=True)
+        noises = []
+        private.optimizer.attach_step_hook(lambda r: noises.append([x.clone() for x in r.release.noise]))
+        batches = []
+        for batch in private.batches():
+            batches.append(batch.tolist())
+            torch.randn(5)  # the global generator moves between steps
+            private.step()
+        runs.append((batches, noises))
+    (b1, n1), (b2, n2) = runs
+    assert b1 == b2 and any(b1)
+    assert all(torch.equal(x, y) for s, t in zip(n1, n2) for x, y in zip(s, t))
+
+
+def test_a_secure_private_trainer_ignores_its_seed_for_samples_and_noise(tiny_bert_dir, tmp_path):
+    """PrivateTrainer(secure_noise=True): the Trainer's seed seeds the model only; two trainers with the same
+    TrainingArguments (seed 3) train on different Poisson samples with different noise, and say ChaCha20 for both."""
+    from transformers import TrainingArguments
+
+    from helpers import tiny_bert_cls
+    from prismdp.data.collate import pad_collate
+    from prismdp.integrations.hf import PrivacyArguments, PrivateTrainer
+
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(1, 100, (6,), generator=g).tolist(), "labels": i % 2, "row": i}
+            for i in range(64)]
+
+    def run(out):
+        seen, noises = [], []
+        collate = lambda batch: (seen.append(sorted(r["row"] for r in batch)), pad_collate(batch, 0))[1]  # noqa
+        args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=64, learning_rate=1e-3,
+                                 max_steps=4, seed=3, report_to=[], save_strategy="no", remove_unused_columns=False,
+                                 use_cpu=True, disable_tqdm=True)
+        trainer = PrivateTrainer(model=tiny_bert_cls(), args=args, train_dataset=rows, data_collator=collate,
+                                 privacy_args=PrivacyArguments(method="dp-adamw", noise_multiplier=1.0,
+                                                               expected_batch_size=16, secure_noise=True))
+        trainer.private.optimizer.attach_step_hook(lambda r: noises.append(r.release.noise[0].clone()))
+        trainer.train()
+        return seen, noises, trainer.privacy_report()
+
+    (s1, n1, rep), (s2, n2, _) = run(tmp_path / "a"), run(tmp_path / "b")
+    assert len(n1) == len(n2) == 4 and s1 != s2
+    assert all(not torch.equal(x, y) for x, y in zip(n1, n2))
+    assert rep["secure_noise"] is True and "ChaCha20" in rep["sampling_source"]["generator"]
+    assert "ChaCha20" in rep["noise_source"]["generator"]

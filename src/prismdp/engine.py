@@ -233,8 +233,9 @@ class PrivateLoRA:
         rep.update(private=True, max_grad_norm=self.dp.max_grad_norm, method=self.method,
                    expected_batch_size=self.dp.expected_batch_size,
                    world_size=1 if self.world is None else self.world.size,
-                   secure_noise=isinstance(self.mechanism.noise_source, SecureRandom),
-                   noise_source=self.mechanism.noise_source.describe())
+                   secure_noise=isinstance(self.mechanism.noise_source, SecureRandom)
+                   and isinstance(self.data_sampler.generator, SecureRandom),
+                   noise_source=self.mechanism.noise_source.describe(), sampling_source=self.data_sampler.describe())
         return rep
 
     # ------------------------------------------------------------------ checkpoints

@@ -362,6 +362,9 @@ def load_experiment(source: Any, overrides: Optional[Dict[str, Any]] = None) -> 
                      str(raw.get("output") or f"runs/{path.stem if path else 'experiment'}"), base, tasks, methods,
                      settings, [int(s) for s in seeds_raw], labels, columns, over, list(exclude), lrs, tune, compare,
                      method_lrs)
-    if not exp.cells():
+    cells = exp.cells()
+    if not cells:
         raise ConfigError(f"exclude: the patterns {exclude} leave no cell in the grid")
+    if tune is not None:
+        tune.check_split(cells)  # before any run: a tuning set the tables report, or no val split, is refused
     return exp

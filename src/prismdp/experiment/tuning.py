@@ -6,7 +6,8 @@ With an lr axis and ``tune`` in the experiment file::
     tune: {by: val, widen: 2}          # seed: the tuning seed (default: the first of `seeds`)
 
 every (task, method, privacy setting) group first trains at each rate with the tuning seed.  The rate whose run scores
-best on the eval set ``by`` (a split carved from the training data, ``holdout_val``; never the reported dev set) is
+best on the eval set ``by`` (a split carved from the training data, ``holdout_val``; never the reported dev set:
+a ``by`` the tables report, or ``val`` in a cell without ``holdout_val``, is refused when the file is loaded) is
 chosen; if it is the smallest or largest rate tried, one more rate on that side is tried, up to ``widen`` times per
 side (the grid's mean log spacing, rounded to one significant digit: 1e-2 -> 3e-2 -> 1e-1).  Then the other seeds
 run at the chosen rate; the tables report those runs (the tuning seed's run at the chosen rate is one of them).
@@ -18,13 +19,16 @@ runner claims a cell before training it (``.claim`` in its folder) and the other
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..data.tasks import GLUE_EVAL_SETS, GLUE_TASKS, MATH_SETS, TASKS
 from ..train.config import ConfigError
+from .columns import table_scores
 
 __all__ = ["Tune", "Plan", "GroupState", "next_lr", "eval_score", "is_done"]
 
@@ -48,6 +52,46 @@ class Tune:
         if t.widen < 0:
             raise ConfigError(f"tune.widen must be >= 0, got {t.widen}")
         return t
+
+    def check_split(self, cells) -> None:
+        """Refuse, when the grid is loaded, a tuning set that cannot choose a rate honestly: one whose score a table
+        reports (the rate would be selected on the reported numbers), any set but ``val`` (no other eval set is held
+        out of the training data), and ``val`` where a cell carves none (every rate would score NaN)."""
+        fix = ("tune on training examples held out of training: tune: {by: val} with holdout_val: N (e.g. 1000) in "
+               "base or in each task")
+        for cell in cells:
+            column = _reported_column(self.by, cell.config.task)
+            if column is not None:
+                raise ConfigError(f"tune: by: {self.by!r} is an eval set the tables report (the {column} column of "
+                                  f"cell {cell.id}); choosing the rate on it would select on the reported numbers. "
+                                  f"Instead {fix}")
+            if self.by != "val":
+                raise ConfigError(f"tune: by: {self.by!r}: no run of this grid evaluates such an eval set (cell "
+                                  f"{cell.id}); {fix}")
+            if not cell.config.holdout_val:
+                if TASKS[cell.config.task].glue is None:
+                    raise ConfigError(f"tune: task {cell.config.task!r} (cell {cell.id}) has no held-out tuning "
+                                      "split (holdout_val applies to GLUE classification tasks): give it a fixed lr "
+                                      "in a grid without tune")
+                raise ConfigError(f"tune: by: val needs holdout_val in every tuned cell, but cell {cell.id} (task "
+                                  f"{cell.task_id!r}) has none: its runs would evaluate no val split, every rate "
+                                  f"would score NaN and the smallest would be chosen. Add holdout_val: N (e.g. 1000) "
+                                  f"to base or to tasks.{cell.task_id}")
+
+
+@functools.lru_cache(maxsize=None)
+def _reported_column(name: str, task: str) -> Optional[str]:
+    """The table column that eval set ``name`` of a ``task`` run feeds, if any: a column that moves when that set's
+    score moves, the set alone or beside any other eval set a run can hold (MNLI's column needs both halves)."""
+    others = {"val", "test", *GLUE_EVAL_SETS, *MATH_SETS, *(s for t in GLUE_TASKS.values() for s in t.eval_splits)}
+    for other in [None, *sorted(others - {name})]:
+        evals = {} if other is None else {other: {"score": 0.5, "accuracy": 0.5}}
+        before = table_scores({**evals, name: {"score": 0.5, "accuracy": 0.5}}, task)
+        after = table_scores({**evals, name: {"score": 0.75, "accuracy": 0.75}}, task)
+        moved = [c for c in after if after[c] != before.get(c)]
+        if moved:
+            return moved[0]
+    return None
 
 
 def next_lr(lrs: Sequence[float], side: str) -> float:

@@ -61,6 +61,14 @@ class PoissonSampler:
         """``q * N``: the public normaliser of the noisy sum."""
         return self.sample_rate * self.dataset_size
 
+    def describe(self) -> dict[str, str]:
+        """Where the inclusions come from, read from the generator in use (the privacy report's
+        ``sampling_source``)."""
+        if isinstance(self.generator, SecureRandom):
+            return {"generator": self.generator.describe()["generator"],
+                    "inclusion": "float64 uniforms (53 bits) < q, one key per process"}
+        return {"generator": "torch cpu generator (Mersenne Twister)", "inclusion": "float64 uniforms < q"}
+
     def __len__(self) -> int:
         """Batches still to come."""
         return self.steps - self.step

@@ -63,8 +63,7 @@ class SecureRandom:
         import randomgen
 
         return {"generator": f"ChaCha20 (randomgen {randomgen.__version__}), 256-bit key from the OS",
-                "gaussian": "Holohan-Braghin sum of 4 float64 normals / 2",
-                "poisson": "float64 uniforms (53 bits) from the same kind of generator, one key per process"}
+                "gaussian": "Holohan-Braghin sum of 4 float64 normals / 2"}
 
     def uniform(self, n: int) -> Tensor:
         """``n`` float64 uniforms on [0, 1) (53 random bits each)."""
