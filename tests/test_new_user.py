@@ -162,7 +162,8 @@ def test_json_files_are_strict_json_with_non_finite_values_as_strings(tmp_path):
     report = {"threshold": math.inf, "low": -math.inf, "score": math.nan, "ok": 1.5, "list": [math.inf, (math.nan,)]}
     write_json(tmp_path / "audit.json", report)
     back = strict((tmp_path / "audit.json").read_text())
-    assert back == {"threshold": "Infinity", "low": "-Infinity", "score": "NaN", "ok": 1.5, "list": ["Infinity", ["NaN"]]}
+    assert back == {"threshold": "Infinity", "low": "-Infinity", "score": "NaN", "ok": 1.5,
+                    "list": ["Infinity", ["NaN"]]}
     assert float(back["threshold"]) == math.inf and math.isnan(float(back["score"]))  # float() reads them back
     assert strict(dumps_json({"loss": math.nan}))["loss"] == "NaN"  # metrics.jsonl's lines
 
@@ -247,3 +248,41 @@ def test_readme_states_the_epsilon_cadence_of_metrics_jsonl_that_the_loop_writes
     assert "per step: loss, epsilon spent" not in readme
     assert re.search(r"epsilon spent at 8 evenly spaced steps \(the last included; null on the others", readme)
     assert len(report_steps(300)) == 8 and 300 in report_steps(300)
+
+
+# ---------------------------------------------------------------- 10: refusals before the weights are loaded
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(delta=0.5), r"delta=0.5 is not below 1/N = 1/96"),
+    (dict(target_modules=["query", "qeury"]), r"\['qeury'\] name no module of this model"),
+])
+def test_delta_and_target_refusals_come_before_the_model_is_loaded(tiny_bert_dir, tmp_path, monkeypatch, change,
+                                                                   message):
+    """Finding 10: a delta at or above 1/N and a misspelt LoRA target were refused only after the model had loaded
+    (minutes on an 8B model).  The data is read with the tokenizer alone and the targets are checked on a meta-device
+    model built from the configuration: load_model is never reached."""
+    import prismdp.train.build as build
+    from prismdp.train.config import TrainConfig
+
+    def no_load(*a, **k):
+        raise AssertionError("the model's weights were loaded before the refusal")
+
+    monkeypatch.setattr(build, "load_model", no_load)
+    cfg = TrainConfig(model=tiny_bert_dir, task="synthetic", synthetic_train=96, synthetic_test=16, steps=2,
+                      batch_size=16, rank=2, max_length=16, output=str(tmp_path / "run"), **change)
+    with pytest.raises(ValueError, match=message):
+        build.build_run(cfg, log=lambda *a: None)
+
+
+def test_the_meta_skeleton_has_the_loaded_models_module_names(tiny_bert_dir, tiny_llama_dir):
+    """The early target check sees the modules the real model has (names and linear layers), and reads no weights."""
+    import torch
+
+    from prismdp.models import load_model, model_skeleton
+
+    for path, task, labels in ((tiny_bert_dir, "seq_cls", 2), (tiny_llama_dir, "causal_lm", None)):
+        skeleton = model_skeleton(path, task, labels)
+        model, _ = load_model(path, task, labels)
+        assert [n for n, _ in skeleton.named_modules()] == [n for n, _ in model.named_modules()]
+        assert all(p.device == torch.device("meta") for p in skeleton.parameters())
