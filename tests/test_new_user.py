@@ -1,5 +1,6 @@
 """Issue 29's new-user findings, one test (or a few) per finding, each failing on the behaviour the finding reports."""
 
+import ast
 import functools
 import json
 import math
@@ -35,15 +36,29 @@ def _run_bounded(code: str, timeout: float) -> subprocess.CompletedProcess:
 # ---------------------------------------------------------------- 1, 2: a delta at which epsilon 0 holds
 
 
-def test_pld_calibration_at_a_vacuous_delta_is_refused_up_front_not_searched():
+@pytest.fixture(scope="module")
+def bounded_accounting():
+    """One child process (one interpreter start for both checks below), killed whole if it hangs: the CLI's answer to
+    finding 1's command line, then a PLD call at sigma 0.01."""
+    code = ("import contextlib, io; from prismdp.cli import main; err = io.StringIO()\n"
+            "with contextlib.redirect_stderr(err), contextlib.redirect_stdout(err):\n"
+            "    rc = main(['epsilon', '--target-epsilon', '3', '--sample-rate', '0.08', '--steps', '2', '--delta', "
+            "'0.5', '--accountant', 'pld'])\n"
+            "print(repr((rc, err.getvalue())), flush=True)\n"
+            "from prismdp.privacy.accounting import _epsilon; print(_epsilon(0.01, 0.08, 2, 1e-5, 'pld'))")
+    res = _run_bounded(code, timeout=150)
+    assert res.returncode == 0, res.stderr[-2000:]
+    first, second = res.stdout.strip().splitlines()[-2:]
+    return ast.literal_eval(first), second
+
+
+def test_pld_calibration_at_a_vacuous_delta_is_refused_up_front_not_searched(bounded_accounting):
     """Finding 1: `prismdp epsilon --target-epsilon 3 --sample-rate 0.08 --steps 2 --delta 0.5 --accountant pld` ran
     for minutes (every sigma met the target, so the search went down to sigma 0.01, where PLD's grid has ~6e7 points).
     Even without noise two steps at q 0.08 are (0, 1 - 0.92^2 = 0.154)-DP: refused, before any accountant call."""
-    code = ("import sys; from prismdp.cli import main; sys.exit(main(['epsilon', '--target-epsilon', '3', "
-            "'--sample-rate', '0.08', '--steps', '2', '--delta', '0.5', '--accountant', 'pld']))")
-    res = _run_bounded(code, timeout=120)
-    assert res.returncode == 2 and res.stdout == "", (res.stdout, res.stderr[-2000:])
-    assert "delta=0.5 is too large for the 'pld' accountant" in res.stderr and "(0, 0.154)-DP" in res.stderr
+    (rc, text), _ = bounded_accounting
+    assert rc == 2, text
+    assert "delta=0.5 is too large for the 'pld' accountant" in text and "(0, 0.154)-DP" in text
 
 
 @pytest.mark.parametrize("accountant", ["prv", "rdp", "pld"])
@@ -91,15 +106,13 @@ def test_epsilon_command_refuses_a_delta_where_epsilon_would_be_negative(account
     assert f"delta=0.5 is too large for the '{accountant}' accountant" in err and "even epsilon 0 holds" in err
 
 
-def test_pld_calls_at_tiny_sigmas_stay_bounded():
+def test_pld_calls_at_tiny_sigmas_stay_bounded(bounded_accounting):
     """Finding 1 (time bound): a PLD call at sigma 0.01 (which a calibration may probe) built a ~6e7-point grid in a
     Python loop (minutes, gigabytes); the grid is now capped, so it answers (inf: above 100) within seconds, and
     values at ordinary sigmas keep the 1e-4 grid (unchanged)."""
     from prismdp.privacy.pld import VALUE_DISCRETIZATION, discretization
 
-    res = _run_bounded("from prismdp.privacy.accounting import _epsilon; print(_epsilon(0.01, 0.08, 2, 1e-5, 'pld'))",
-                       timeout=120)
-    assert res.returncode == 0 and res.stdout.strip() == "inf", res.stderr[-2000:]
+    assert bounded_accounting[1] == "inf"
     assert discretization(1.0, 0.08) == VALUE_DISCRETIZATION and discretization(0.01, 0.08) > 100 * VALUE_DISCRETIZATION
 
 
