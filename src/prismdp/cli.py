@@ -108,16 +108,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C outside the training loop's own handling; ``checkpointed``: the run folder holds a checkpoint."""
+
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        self.checkpointed = checkpointed
+
+
+def _continue_command(argv: list[str], command: str) -> str:
+    """The command line that continues an interrupted run: ``argv`` with ``--resume`` (``train``), under ``torchrun``
+    with the same number of processes (and nodes) when this process is one of a torchrun job."""
+    resume = [] if "--resume" in argv or command != "train" else ["--resume"]  # experiments resume by themselves
+    launcher = ["prismdp"]
+    if "WORLD_SIZE" in os.environ:  # torchrun: a plain `prismdp train` would be refused by the world-size check
+        world = int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        nodes = ["--nnodes", str(world // local)] if world != local else []
+        launcher = ["torchrun", *nodes, "--nproc-per-node", str(local), "-m", "prismdp"]
+    return shlex.join([*launcher, *argv, *resume])
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from .train.config import TrainConfig, load_config_file
+    from .train.interrupt import TrainingInterrupted
     from .train.loop import train
+    from .train.run_folder import RunFolder
 
     values = load_config_file(args.config) if getattr(args, "config", None) else {}
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "resume", "stop_after", "quiet")}
     values.update(flags)
     cfg = TrainConfig.from_dict(values, source=args.config if getattr(args, "config", None) else "flags")
-    summary = train(cfg, resume=getattr(args, "resume", False), stop_after=getattr(args, "stop_after", None),
-                    progress=not getattr(args, "quiet", False)).summary
+    if cfg.secure_noise and "seed" in values:
+        print(f"prismdp train: --secure-noise: seed {values['seed']} seeds only the initialisation, dropout and data "
+              "subsets; the noise and the Poisson sampling come from an OS-keyed ChaCha20 stream and take no seed",
+              file=sys.stderr)
+    try:
+        summary = train(cfg, resume=getattr(args, "resume", False), stop_after=getattr(args, "stop_after", None),
+                        progress=not getattr(args, "quiet", False)).summary
+    except TrainingInterrupted:
+        raise
+    except KeyboardInterrupt as e:  # a second Ctrl-C, or one before the training loop (loading, calibration)
+        raise _RunInterrupted(RunFolder(cfg.output).checkpoint_path.is_file()) from e
     if "rank" in summary:  # another process of a multi-process run: rank 0 reports
         return 0
     if "interrupted_at" in summary:
@@ -220,16 +252,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prismdp {args.command}: error: {e}", file=sys.stderr)
         return 2
     except TrainingInterrupted as e:  # Ctrl-C / SIGTERM during training: a checkpoint was saved after the last step
-        if e.main:
-            resume = [] if "--resume" in argv or args.command != "train" else ["--resume"]  # experiments resume
-            again = shlex.join(["prismdp", *argv, *resume])
-            where = " under torchrun with the same number of processes" if "WORLD_SIZE" in os.environ else ""
+        if e.main and args.command == "audit":
+            print(f"prismdp audit: stopped after step {e.step} of {e.total} ({e.signame}); an audit cannot be "
+                  f"resumed (its canaries' inclusion bits were kept only in memory): delete {e.output} or choose "
+                  "another --output to audit again", file=sys.stderr)
+        elif e.main:
             print(f"prismdp {args.command}: stopped after step {e.step} of {e.total} ({e.signame}); checkpoint saved "
-                  f"in {e.output}. Continue with{where}:\n  {again}", file=sys.stderr)
+                  f"in {e.output}. Continue with:\n  {_continue_command(argv, args.command)}", file=sys.stderr)
+        return 130
+    except _RunInterrupted as e:
+        hint = (f"; continue from its last checkpoint with:\n  {_continue_command(argv, args.command)}"
+                if e.checkpointed else " before its first checkpoint (nothing to resume): run the same command again "
+                                       "to start over")
+        print(f"prismdp {args.command}: interrupted{hint}", file=sys.stderr)
         return 130
     except KeyboardInterrupt:
-        hint = "; a run continues from its last checkpoint with --resume" if args.command == "train" else ""
-        print(f"prismdp {args.command}: interrupted{hint}", file=sys.stderr)
+        print(f"prismdp {args.command}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -152,15 +152,7 @@ def _hub_hint() -> str:
 
 
 def _ensure_pad(model, tokenizer, task_type: str, what: str) -> None:
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is not None:
-            tokenizer.pad_token = tokenizer.eos_token  # standard for decoder-only models; masks keep it harmless
-        elif task_type == "seq_cls" and getattr(tokenizer, "sep_token", None) is not None:
-            tokenizer.pad_token = tokenizer.sep_token
-        else:
-            raise ModelLoadError(f"the tokenizer of {what} has neither a pad nor an eos token; set "
-                                 f"tokenizer.pad_token yourself (e.g. tokenizer.add_special_tokens(...) and "
-                                 f"model.resize_token_embeddings)")
+    _ensure_pad_token(tokenizer, task_type, what)
     pad_id = tokenizer.pad_token_id
     configs = [model.config]
     get_text = getattr(model.config, "get_text_config", None)
@@ -176,15 +168,67 @@ def _ensure_pad(model, tokenizer, task_type: str, what: str) -> None:
         gen.pad_token_id = pad_id
 
 
+def _ensure_pad_token(tokenizer, task_type: str, what: str) -> None:
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is not None:
+            tokenizer.pad_token = tokenizer.eos_token  # standard for decoder-only models; masks keep it harmless
+        elif task_type == "seq_cls" and getattr(tokenizer, "sep_token", None) is not None:
+            tokenizer.pad_token = tokenizer.sep_token
+        else:
+            raise ModelLoadError(f"the tokenizer of {what} has neither a pad nor an eos token; set "
+                                 f"tokenizer.pad_token yourself (e.g. tokenizer.add_special_tokens(...) and "
+                                 f"model.resize_token_embeddings)")
+
+
+def load_tokenizer(name_or_path: Union[str, os.PathLike, None], task_type: str):
+    """The tokenizer :func:`load_model` returns for the same arguments (pad token set), without reading the weights:
+    the training data can be built, and checked, before a large model is loaded (pass it on as ``tokenizer=``)."""
+    from transformers import AutoTokenizer
+
+    source, gguf_file, what = _resolve(name_or_path, task_type)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}))
+    except ImportError as e:
+        raise ModelLoadError(f"could not load the tokenizer of {what}: {e}") from e
+    except (OSError, EnvironmentError, ValueError) as e:
+        hint = _hub_hint() if "Hub" in what else ""
+        raise ModelLoadError(f"could not load the tokenizer of {what} ({type(e).__name__}: {e}).{hint}") from e
+    _ensure_pad_token(tokenizer, task_type, what)
+    return tokenizer
+
+
+def model_skeleton(name_or_path: Union[str, os.PathLike, None], task_type: str, num_labels: Optional[int] = None,
+                   pooling: str = "model"):
+    """The model :func:`load_model` would load, built on the meta device from its configuration alone (no weights
+    read, no memory): its module names and layer types, for the checks that should come before loading (LoRA
+    targets).  ``pooling="mean"``: the bare encoder.  None when the configuration cannot be read this way (the load
+    itself then reports the problem)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    try:
+        source, gguf_file, _ = _resolve(name_or_path, task_type)
+        extra = {"gguf_file": gguf_file} if gguf_file else {}
+        if task_type == "seq_cls" and num_labels is not None:
+            extra["num_labels"] = int(num_labels)
+        config = AutoConfig.from_pretrained(source, **extra)
+        auto = AutoModel if pooling == "mean" else \
+            AutoModelForSequenceClassification if task_type == "seq_cls" else AutoModelForCausalLM
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):  # draws nothing from the seeded stream
+            return auto.from_config(config)
+    except Exception:  # noqa: BLE001 - best effort: load_model raises the real error with its advice
+        return None
+
+
 def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_labels: Optional[int] = None,
-               dtype: torch.dtype = torch.float32, pooling: str = "model"):
+               dtype: torch.dtype = torch.float32, pooling: str = "model", tokenizer=None):
     """Load ``(model, tokenizer)`` for ``task_type`` ``"seq_cls"`` or ``"causal_lm"``; the model is in eval mode.
 
     ``seq_cls`` uses ``AutoModelForSequenceClassification``: ``num_labels`` sets a new head (``1`` = regression,
     ``problem_type="regression"``; ``>= 2`` = single-label classification; ``None`` keeps the checkpoint's config).
     ``causal_lm`` uses ``AutoModelForCausalLM`` (``num_labels`` must be None).  ``pooling="mean"`` (``seq_cls``
     with ``num_labels`` only) loads the bare encoder (``AutoModel``) under a new masked-mean-pooling head
-    (:class:`prismdp.heads.MeanPoolingClassifier`) instead of the checkpoint's own head.
+    (:class:`prismdp.heads.MeanPoolingClassifier`) instead of the checkpoint's own head.  ``tokenizer``: one already
+    loaded by :func:`load_tokenizer` (not loaded again).
     """
     from .heads import POOLINGS, MeanPoolingClassifier
 
@@ -219,7 +263,8 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
         kwargs.pop("ignore_mismatched_sizes")
     tok_kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
         model = auto.from_pretrained(source, **kwargs)
     except ImportError as e:
         if gguf_file is not None and "gguf" in str(e).lower():

@@ -80,12 +80,25 @@ def _check(cfg: TrainConfig, m: int, kind: str, significance: float) -> None:
                           "run it without torchrun")
 
 
+def _check_output(out: Path) -> None:
+    """An audit starts in a folder without a run: it cannot continue one (its inclusion bits live only in memory, and
+    a checkpoint that held them would let the run see them)."""
+    from ..train.run_folder import RunExistsError, RunFolder
+
+    folder = RunFolder(out)
+    held = (folder.checkpoint_path, folder.metrics_path, out / RunFolder.SUMMARY, out / "audit.json")
+    if any(p.exists() for p in held):
+        raise RunExistsError(f"{out} already holds a run; an audit cannot be resumed (its canaries' inclusion bits are "
+                             "kept only in memory). Choose another --output, or delete the folder to audit again")
+
+
 def run_audit(cfg: TrainConfig, canaries: int, kind: str = "gradient", *, significance: float = 0.05,
               progress: bool = True, log=print) -> dict:
     """Train ``cfg`` once with ``canaries`` canaries of ``kind``; write and return ``audit.json``'s content."""
     from ..train.loop import train
 
     _check(cfg, canaries, kind, significance)
+    _check_output(Path(cfg.output))
     t0 = time.perf_counter()
     secret = InclusionSecret(canaries)
     root = secrets.randbits(62)  # public: the canaries themselves

@@ -55,7 +55,7 @@ from ..engine import METHODS, make_private
 from ..export import export_adapter
 from ..losses import causal_lm_losses, classification_losses
 from ..distributed import current_world
-from ..privacy.accounting import ACCOUNTANTS
+from ..privacy.accounting import ACCOUNTANTS, check_delta
 from ..sharding import is_sharded, shard_frozen_base
 from ..train.loop import REPLICA_CHECK_EVERY
 
@@ -247,6 +247,10 @@ class PrivacyMixin:
         if p.expected_batch_size > n_units:
             _refuse(f"expected_batch_size={p.expected_batch_size} exceeds the {n_units} "
                     f"{'users' if self._units is not None else 'examples'} of the training set")
+        if not p.disable_dp:  # before make_private, whose message names its own keyword and the CLI flag
+            check_delta(p.target_delta, n_units, allow_large=p.allow_large_delta,
+                        unit="user" if self._units is not None else "example",
+                        accept="PrivacyArguments(allow_large_delta=True)")
         self._train_rows = self.train_dataset
         if self.args.remove_unused_columns and hasattr(self.train_dataset, "column_names"):
             self._train_rows = self._remove_unused_columns(self.train_dataset, description="training")

@@ -41,6 +41,7 @@ __all__ = [
     "calibrate_sigma",
     "check_delta",
     "epsilon",
+    "vacuous_delta_bound",
     "vacuous_delta_error",
     "report_steps",
 ]
@@ -81,12 +82,16 @@ def _check_delta(delta: Any) -> float:
     return float(delta)
 
 
-def check_delta(delta: Any, dataset_size: int, *, allow_large: bool = False, unit: str = "example") -> float:
+ACCEPT_LARGE_DELTA = "--allow-large-delta (make_private(..., allow_large_delta=True))"
+
+
+def check_delta(delta: Any, dataset_size: int, *, allow_large: bool = False, unit: str = "example",
+                accept: str = ACCEPT_LARGE_DELTA) -> float:
     """``delta`` for a dataset of ``dataset_size`` privacy units (examples, or users): in (0, 1) and below 1/N.
 
     A mechanism that publishes one randomly chosen unit in the clear is (0, 1/N)-DP, so a guarantee with
     delta >= 1/N does not rule out leaking whole units; it is refused unless ``allow_large`` (the caller's explicit
-    acceptance)."""
+    acceptance; ``accept`` names how, in the caller's terms)."""
     delta = _check_delta(delta)
     if delta * dataset_size >= 1 and not allow_large:
         suggest = 10.0 ** math.floor(math.log10(0.1 / dataset_size))
@@ -94,7 +99,7 @@ def check_delta(delta: Any, dataset_size: int, *, allow_large: bool = False, uni
             f"delta={delta:g} is not below 1/N = 1/{dataset_size} = {1 / dataset_size:.3g} (N = training {unit}s): "
             f"publishing one randomly chosen {unit} in the clear is already (0, 1/N)-DP, so this guarantee would not "
             f"rule out leaking a whole {unit}. Use a delta well below 1/N (e.g. {suggest:.0e}), or accept it "
-            f"knowingly with --allow-large-delta (make_private(..., allow_large_delta=True))")
+            f"knowingly with {accept}")
     return delta
 
 
@@ -104,6 +109,22 @@ def vacuous_delta_error(delta: float, accountant: str, detail: str) -> ValueErro
     return ValueError(
         f"delta={delta:g} is too large for the {accountant!r} accountant ({detail}): at this delta even epsilon 0 "
         "holds, so the guarantee says nothing. Use a delta well below 1/N (N = training examples), e.g. 1e-5")
+
+
+def vacuous_delta_bound(sample_rate: float, steps: int) -> float:
+    """``1 - (1 - q)^T``: the probability that a given unit is sampled at least once in ``steps`` Poisson steps.
+
+    Whatever the noise, the runs with and without a unit differ only when it is sampled, so their total variation
+    (the delta at epsilon 0) is at most this: a ``delta`` at or above it gives (0, delta)-DP at every sigma, a
+    guarantee that says nothing.  Checked before any accountant call, the same for every accountant."""
+    return -math.expm1(steps * math.log1p(-sample_rate)) if sample_rate < 1 else 1.0
+
+
+def _check_not_vacuous(delta: float, sample_rate: float, steps: int, accountant: str) -> None:
+    bound = vacuous_delta_bound(sample_rate, steps)
+    if steps > 0 and delta >= bound:
+        raise vacuous_delta_error(delta, accountant, f"even without noise {steps} step(s) at sample rate "
+                                                     f"{sample_rate:g} are (0, {bound:.3g})-DP")
 
 
 def _check_steps(name: str, steps: Any) -> int:
@@ -136,15 +157,13 @@ def epsilon(sigma: float, sample_rate: float, steps: int, delta: float, accounta
 
     Uses Opacus' ``PRVAccountant`` (an upper bound: estimate + ``eps_error`` = 0.01) or ``RDPAccountant`` with
     their default settings, or dp-accounting's PLD (``"pld"``). Results are memoised per argument tuple, so repeated
-    calls are free.  Above :data:`MAX_EPSILON` the result is ``inf`` (no meaningful guarantee).
+    calls are free.  Above :data:`MAX_EPSILON` the result is ``inf`` (no meaningful guarantee).  A ``delta`` at or
+    above :func:`vacuous_delta_bound` raises ``ValueError`` (epsilon 0 holds at any sigma) before any accountant call.
     """
-    return _epsilon(
-        _check_positive("sigma", sigma),
-        _check_sample_rate(sample_rate),
-        _check_steps("steps", steps),
-        _check_delta(delta),
-        _check_accountant(accountant),
-    )
+    args = (_check_positive("sigma", sigma), _check_sample_rate(sample_rate), _check_steps("steps", steps),
+            _check_delta(delta), _check_accountant(accountant))
+    _check_not_vacuous(args[3], args[1], args[2], args[4])
+    return _epsilon(*args)
 
 
 # ----------------------------------------------------------------------------------------------- calibration
@@ -170,6 +189,8 @@ def calibrate_sigma(
         )
     if _check_steps("steps", steps) == 0:
         raise ValueError("steps must be >= 1 to calibrate sigma (zero steps spend no privacy at any sigma)")
+    _check_not_vacuous(delta, q, steps, accountant)  # else every sigma meets the target and the search runs to
+    # MIN_SIGMA, where the PLD accountant's grid is widest
 
     def eps(sigma: float) -> float:
         return _epsilon(sigma, q, steps, delta, accountant)

@@ -12,7 +12,8 @@ from torch import nn
 
 from ..distributed import World
 from ..engine import METHODS, PrivateLoRA, make_private
-from ..models import enable_gradient_checkpointing, load_model
+from ..models import enable_gradient_checkpointing, load_model, load_tokenizer, model_skeleton
+from ..privacy import check_delta
 from ..sharding import check_world, shard_frozen_base
 from .config import ConfigError, TrainConfig
 from .tasks import TaskData, build_task_data, default_targets, lora_exclude_modules, task_head
@@ -115,10 +116,20 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
     torch.manual_seed(cfg.seed)  # the same initial model on every rank (seeds every CUDA device too)
     device = cfg.torch_device(world)
     task_type, num_labels = task_head(cfg)
-    model, tokenizer = load_model(cfg.model, task_type, num_labels, dtype=cfg.torch_dtype(), pooling=cfg.pooling)
+    # Everything that can be checked without the weights is checked before loading them (minutes on an 8B model):
+    # the data (read with the tokenizer alone), delta against its size, and the LoRA targets on a meta-device model.
+    tokenizer = load_tokenizer(cfg.model, task_type)
     data = build_task_data(cfg, tokenizer)
     if extend_data is not None:
         extend_data(data, tokenizer, num_labels)
+    if cfg.dp:
+        check_delta(cfg.delta, data.n_units, allow_large=cfg.allow_large_delta, unit=cfg.privacy_unit)
+    skeleton = model_skeleton(cfg.model, task_type, num_labels, pooling=cfg.pooling)
+    if skeleton is not None:
+        check_targets(skeleton, cfg.target_modules or default_targets(skeleton))
+        del skeleton
+    model, tokenizer = load_model(cfg.model, task_type, num_labels, dtype=cfg.torch_dtype(), pooling=cfg.pooling,
+                                  tokenizer=tokenizer)
     check_lengths(model, data)
     for key, count in data.notes.items():
         if ("truncated" in key or "masked" in key) and count:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .. import code_version
-from ..atomic import write_json
+from ..atomic import dumps_json, write_json
 from ..distributed import init_from_env
 from ..export import export_adapter
 from ..privacy import report_steps
@@ -213,7 +212,7 @@ def _train_steps(run, folder: RunFolder, step: int, fingerprint: str, stop_after
                 "elapsed_s": time.perf_counter() - loop_start,  # since this segment's loop began: all it did
             }
             if main:
-                metrics.write(json.dumps(record) + "\n")
+                metrics.write(dumps_json(record) + "\n")
                 metrics.flush()
             if record["epsilon"] is not None:
                 eps_shown = f"{record['epsilon']:.2f}@{step}"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_path, write_text
+from ..atomic import atomic_path, dumps_json, write_text
 
 __all__ = ["RunExistsError", "RunFolder", "read_metrics"]
 
@@ -114,7 +114,7 @@ class RunFolder:
         if not self.path.exists():
             self.path.mkdir(parents=True)
             self.created_folder = True
-        write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept_records))
+        write_text(self.metrics_path, "".join(dumps_json(r) + "\n" for r in kept_records))
 
     def save_checkpoint(self, state: dict) -> None:
         with atomic_path(self.checkpoint_path) as tmp:
