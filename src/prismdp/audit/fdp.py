@@ -39,12 +39,11 @@ from typing import Callable, Sequence
 import numpy as np
 import scipy.optimize
 import scipy.special
-import scipy.stats
 
 from .statistics import _check_counts, hull_thresholds
 
-__all__ = ["FdpAudit", "MechanismAudit", "audit_one_run_fdp", "audit_one_run_mechanism", "fdp_gap", "gdp_blow_up_inverse",
-           "gdp_delta", "gdp_epsilon", "mu_one_run", "profile_blow_up_inverse", "subsampled_gaussian_blow_up_inverse"]
+__all__ = ["FdpAudit", "MechanismAudit", "audit_one_run_fdp", "audit_one_run_mechanism", "fdp_gap",
+           "gdp_blow_up_inverse", "gdp_delta", "gdp_epsilon", "mu_one_run", "profile_blow_up_inverse", "subsampled_gaussian_blow_up_inverse"]
 
 BlowUpInverse = Callable[[float], float]
 PLD_DISCRETIZATION = 1e-3  # dp-accounting's PLD grid for the mechanism's curve (pessimistic rounding: conservative)
