@@ -156,10 +156,11 @@ def test_profile_curve_is_a_conservative_copy_of_the_gaussian():
         assert approx(y) <= exact(y) + 1e-12 and approx(y) == pytest.approx(exact(y), rel=2e-3, abs=1e-9)
 
 
-def test_one_unsampled_gaussian_step_is_gaussian_dp():
-    # q = 1, one step: the Gaussian mechanism with noise multiplier sigma is exactly (1/sigma)-GDP
-    sigma = 0.8
-    pld, exact = subsampled_gaussian_blow_up_inverse(sigma, 1.0, 1), gdp_blow_up_inverse(1 / sigma)
+@pytest.mark.parametrize("steps", [1, 4])
+def test_unsampled_gaussian_steps_are_gaussian_dp(steps):
+    # q = 1: the Gaussian mechanism with noise multiplier sigma is exactly (1/sigma)-GDP, T of them sqrt(T)/sigma
+    sigma = 0.8 * np.sqrt(steps)
+    pld, exact = subsampled_gaussian_blow_up_inverse(sigma, 1.0, steps), gdp_blow_up_inverse(np.sqrt(steps) / sigma)
     for y in (1e-4, 1e-3, 0.01, 0.1, 0.5, 0.9):
         assert pld(y) <= exact(y) + 1e-12 and pld(y) == pytest.approx(exact(y), rel=2e-3, abs=1e-9)
 

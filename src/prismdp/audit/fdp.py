@@ -116,6 +116,8 @@ def _largest_rejected(gap: Callable[[float], float], lo: float) -> float:
     hi = max(1.0, 2 * lo)
     while gap(hi) > 0:
         lo, hi = hi, 2 * hi
+        if hi > 1e6:  # a blow-up inverse tends to 0 as the privacy level grows: a curve that is not one
+            raise ValueError("the claim is rejected at every privacy level: the curve is not a blow-up inverse")
     return float(scipy.optimize.brentq(gap, lo, hi, xtol=1e-9, rtol=1e-10))
 
 
@@ -234,6 +236,8 @@ def audit_one_run_mechanism(in_scores: Sequence[float], out_scores: Sequence[flo
     if worst(lo)[0] > 0:  # rejected at the start: walk down to a level not rejected
         while worst(lo)[0] > 0:
             hi, lo = lo, lo - math.log(4)
+            if lo < math.log(start) - math.log(4) * 12:
+                raise ValueError("the claim is rejected at every noise level: the curve is not a blow-up inverse")
     else:  # not rejected: walk up; a level too private to reach means "no bound" (sigma = inf)
         while worst(hi)[0] <= 0:
             lo, hi = hi, hi + math.log(4)
