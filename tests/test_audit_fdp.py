@@ -188,14 +188,17 @@ def test_audit_rejects_bad_input(kwargs, match):
         fdp_gap(lambda y: y, 10, 2, 3, 0.05)
 
 
+def _audit_args(model_dir, out):
+    return ["audit", "--model", model_dir, "--output", str(out), "--quiet", "--steps", "8", "--batch-size", "8",
+            "--synthetic-train", "32", "--synthetic-test", "8", "--max-length", "24", "--micro-batch-size", "16",
+            "--rank", "2", "--epsilon", "1.0", "--eval-batch-size", "8", "--canaries", "200"]
+
+
 def test_audit_json_reports_both_bounds(tiny_bert_dir, tmp_path, capsys):
     from prismdp.cli import main
 
     out = tmp_path / "run"
-    args = ["audit", "--model", tiny_bert_dir, "--output", str(out), "--quiet", "--steps", "8", "--batch-size", "8",
-            "--synthetic-train", "32", "--synthetic-test", "8", "--max-length", "24", "--micro-batch-size", "16",
-            "--rank", "2", "--epsilon", "1.0", "--eval-batch-size", "8", "--canaries", "200"]
-    assert main(args) == 0
+    assert main(_audit_args(tiny_bert_dir, out)) == 0
     rep = json.loads((out / "audit.json").read_text())
     f = rep["fdp"]
     assert f["verdict"] == "consistent" and f["gdp_correct"] <= f["gdp_guesses"] <= 200
@@ -207,3 +210,19 @@ def test_audit_json_reports_both_bounds(tiny_bert_dir, tmp_path, capsys):
     assert f["gdp_mu_lower_bound"] == audit_one_run_fdp(s[b], s[~b], delta=rep["delta"]).mu_lower_bound
     printed = capsys.readouterr().out
     assert "epsilon >=" in printed and "f-DP (Mahloujifar et al. 2024)" in printed and "mu >=" in printed
+
+
+def test_fdp_verdict_catches_noise_secretly_scaled_down(tiny_bert_dir, tmp_path, monkeypatch):
+    # as tests/test_audit.py's power test: the accountant claims epsilon 1, the mechanism adds 1 % of the noise
+    from prismdp.cli import main
+    from prismdp.privacy.clipping import DPConfig
+
+    monkeypatch.setattr(DPConfig, "noise_std", property(lambda self: 0.01 * self.noise_multiplier *
+                                                        self.max_grad_norm))
+    out = tmp_path / "run"
+    assert main(_audit_args(tiny_bert_dir, out)) == 1  # the exit code is the (eps, delta) test's
+    rep = json.loads((out / "audit.json").read_text())
+    f = rep["fdp"]
+    assert f["verdict"] == "violation" and f["mechanism_sigma_upper_bound"] < rep["noise_multiplier"]
+    assert f["mechanism_eps_lower_bound"] is None or f["mechanism_eps_lower_bound"] > rep["epsilon"]
+    assert f["gdp_eps_lower_bound"] >= rep["eps_lower_bound"]  # same guesses here, the f-DP test is the sharper
