@@ -190,11 +190,11 @@ def subsampled_gaussian_blow_up_inverse(sigma: float, sample_rate: float, steps:
     """``fbar^-1`` of ``steps`` compositions of a Poisson-subsampled Gaussian (noise multiplier ``sigma``, rate
     ``sample_rate``; add-or-remove neighbours, the larger delta of the two orders), from dp-accounting's PLD
     (pessimistic rounding) read at :data:`EPS_GRID`: a curve at or below the mechanism's (conservative)."""
-    from dp_accounting import dp_event, pld
+    from dp_accounting.pld import privacy_loss_distribution
 
-    acc = pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
-    acc.compose(dp_event.PoissonSampledDpEvent(sample_rate, dp_event.GaussianDpEvent(sigma)), int(steps))
-    deltas = np.asarray(acc._pld.get_delta_for_epsilon(EPS_GRID), float)  # noqa: SLF001 (dp-accounting's PLD)
+    one = privacy_loss_distribution.from_gaussian_mechanism(sigma, sampling_prob=sample_rate,
+                                                            value_discretization_interval=PLD_DISCRETIZATION)
+    deltas = np.asarray(one.self_compose(int(steps)).get_delta_for_epsilon(EPS_GRID), float)
     return profile_blow_up_inverse(EPS_GRID, np.clip(deltas, 0.0, 1.0))
 
 
