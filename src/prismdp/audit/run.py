@@ -36,11 +36,11 @@ import numpy as np
 import torch
 
 from ..atomic import write_json
+from ..privacy.accounting import epsilon as accountant_epsilon
 from ..train.config import ConfigError, TrainConfig
 from .canaries import CanaryInjector, CanarySet, layout_of
-from .inputs import canary_losses, make_input_canaries
-from ..privacy.accounting import epsilon as accountant_epsilon
 from .fdp import audit_one_run_fdp, audit_one_run_mechanism
+from .inputs import canary_losses, make_input_canaries
 from .scoring import GradientScorer
 from .statistics import audit_one_run
 
