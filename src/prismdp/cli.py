@@ -182,6 +182,13 @@ def _cmd_audit(args: argparse.Namespace) -> int:
           f"epsilon >= {rep['eps_lower_bound']:.3f} at {1 - rep['significance']:.0%} confidence, accountant "
           f"{rep['epsilon']:.3f} (delta {rep['delta']:g}): {rep['verdict']} [{rep['runtime_s']:.0f} s, "
           f"{cfg.output}/audit.json]")
+    f = rep["fdp"]
+    sigma = "no bound" if f["mechanism_sigma_upper_bound"] is None else f"{f['mechanism_sigma_upper_bound']:.3f}"
+    eps = "inf" if f["mechanism_eps_lower_bound"] is None else f"{f['mechanism_eps_lower_bound']:.3f}"
+    print(f"f-DP (Mahloujifar et al. 2024), same scores: mu >= {f['gdp_mu_lower_bound']:.3f} "
+          f"(epsilon >= {f['gdp_eps_lower_bound']:.3f} as Gaussian DP); the run's mechanism is rejected above noise "
+          f"{sigma} (epsilon >= {eps} by the accountant; run's noise "
+          f"{rep['noise_multiplier']:.3f}): {f['verdict']}")
     return 0 if rep["verdict"] == "consistent" else 1
 
 

@@ -10,6 +10,10 @@
 4. Only then are the coins revealed: :func:`~prismdp.audit.statistics.audit_one_run` turns the scores of the
    included and excluded canaries into a lower bound on epsilon at the run's delta.  A bound above the accountant's
    epsilon means the run leaked more than its privacy report says: audit.json says so and the command exits 1.
+5. The same scores also go through the f-DP test of :mod:`.fdp` (Mahloujifar et al. 2024): a Gaussian-DP mu (and
+   its epsilon at delta), and the noise multiplier of the run's own mechanism family above which every claim is
+   rejected (and the accountant's epsilon there); reported under ``"fdp"`` in audit.json, with its own verdict (the
+   run's sigma rejected or not).  The command's verdict and exit code stay those of step 4.
 
 What "out of the training process's reach" means here.  Training and auditing share one Python process, and nothing
 in one process is out of reach of code that goes looking (``gc.get_objects()`` finds every object).  What this module
@@ -32,8 +36,10 @@ import numpy as np
 import torch
 
 from ..atomic import write_json
+from ..privacy.accounting import epsilon as accountant_epsilon
 from ..train.config import ConfigError, TrainConfig
 from .canaries import CanaryInjector, CanarySet, layout_of
+from .fdp import audit_one_run_fdp, audit_one_run_mechanism
 from .inputs import canary_losses, make_input_canaries
 from .scoring import GradientScorer
 from .statistics import audit_one_run
@@ -92,6 +98,31 @@ def _check_output(out: Path) -> None:
                              "kept only in memory). Choose another --output, or delete the folder to audit again")
 
 
+def _finite(x: float) -> float | None:
+    return float(x) if np.isfinite(x) else None  # strict JSON has no Infinity
+
+
+def fdp_report(in_scores: np.ndarray, out_scores: np.ndarray, privacy: dict, significance: float) -> dict:
+    """audit.json's ``"fdp"`` section: the f-DP bounds of :mod:`.fdp` on the same scores, for the run's
+    ``privacy`` summary (delta, sample rate, steps, noise multiplier, accountant)."""
+    delta, sigma = privacy["delta"], float(privacy["noise_multiplier"])
+    gdp = audit_one_run_fdp(in_scores, out_scores, delta=delta, significance=significance)
+    mech = audit_one_run_mechanism(in_scores, out_scores, sample_rate=privacy["sample_rate"], steps=privacy["steps"],
+                                   delta=delta, significance=significance, start=sigma)
+    s = mech.sigma_upper_bound
+    eps = accountant_epsilon(s, privacy["sample_rate"], privacy["steps"], delta, privacy["accountant"]) \
+        if np.isfinite(s) else 0.0
+    return {
+        "test": "Mahloujifar, Melis, Chaudhuri 2024 (arXiv:2410.22235), Bonferroni over the hull thresholds",
+        "gdp_mu_lower_bound": gdp.mu_lower_bound, "gdp_eps_lower_bound": gdp.eps_lower_bound,
+        "gdp_guesses": gdp.guesses, "gdp_correct": gdp.correct, "gdp_threshold": _finite(gdp.threshold),
+        "mechanism_sigma_upper_bound": _finite(s), "mechanism_eps_lower_bound": _finite(eps),
+        "mechanism_guesses": mech.guesses, "mechanism_correct": mech.correct,
+        "mechanism_threshold": _finite(mech.threshold),
+        "verdict": "consistent" if s >= sigma else "violation",
+    }
+
+
 def run_audit(cfg: TrainConfig, canaries: int, kind: str = "gradient", *, significance: float = 0.05,
               progress: bool = True, log=print) -> dict:
     """Train ``cfg`` once with ``canaries`` canaries of ``kind``; write and return ``audit.json``'s content."""
@@ -147,6 +178,7 @@ def run_audit(cfg: TrainConfig, canaries: int, kind: str = "gradient", *, signif
         "accountant": privacy["accountant"], "noise_multiplier": privacy["noise_multiplier"],
         "sample_rate": privacy["sample_rate"], "steps": privacy["steps"], "canary_seed": root,
         "verdict": "consistent" if found.eps_lower_bound <= claimed else "violation",
+        "fdp": fdp_report(scores[bits], scores[~bits], privacy, significance),
         "runtime_s": time.perf_counter() - t0,
     }
     out = Path(cfg.output)
