@@ -22,7 +22,7 @@ BUDGET = 2
 #: (file fragment, function) of reads of host-resident tensors, with why they are not device synchronisations
 HOST_SIDE = {
     ("prismdp/privacy/sampling.py", "__iter__"): "Poisson sampler: CPU generator, host indices on every device",
-    ("prismdp/train/step.py", "micro_batches"): "the sampled indices (host) turned into a list",
+    ("prismdp/train/step.py", "host_list"): "the sampled indices (host) turned into a list",
     ("prismdp/integrations/hf.py", "__iter__"): "the sampled indices (host) handed to the Trainer",
     ("torch/optim/", ""): "torch's Adam keeps its step count on the CPU (capturable=False, the default)",
 }
@@ -59,13 +59,16 @@ def _per_step(marks: list[tuple[int, int]]) -> list[int]:
     return [end - start for start, end in marks]
 
 
-@pytest.mark.parametrize("method", ["prism", "dp-adamw"])
-def test_prismdp_train_reads_the_host_at_most_twice_per_logical_step(tiny_llama_dir, tmp_path, monkeypatch, method):
+@pytest.mark.parametrize("method,unit", [("prism", "example"), ("dp-adamw", "example"), ("prism", "user")])
+def test_prismdp_train_reads_the_host_at_most_twice_per_logical_step(tiny_llama_dir, tmp_path, monkeypatch, method,
+                                                                     unit):
     """Whole loop iterations of `prismdp train` (micro-batches, optimizer step, metrics record and its log line, the
     progress bar; checkpoint steps excluded: they copy the state to the host by design), each step several
-    micro-batches of a causal LM with LoRA dropout 0.05 (the default job's compensation path)."""
+    micro-batches of a causal LM with LoRA dropout 0.05 (the default job's compensation path); with user-level
+    privacy, each micro-batch's units too."""
     import prismdp.train.loop as loop
     from test_cli import tiny_cfg
+    from test_user_level import _records
 
     counter, starts = StepSyncCounter(), []
     inner = loop.backward_batch
@@ -79,8 +82,13 @@ def test_prismdp_train_reads_the_host_at_most_twice_per_logical_step(tiny_llama_
         run.private.mechanism.always_mask = True
 
     monkeypatch.setattr(loop, "backward_batch", marked)
-    cfg = tiny_cfg(tiny_llama_dir, tmp_path / "run", method=method, steps=4, batch_size=32, micro_batch_size=8,
-                   dropout=0.05, checkpoint_every=100)
+    extra = dict(batch_size=32)
+    if unit == "user":  # 24 users of 4 examples, 6 per step: about 3 micro-batches of 2 users
+        _records(tmp_path / "notes.json", n_users=24, per_user=4)
+        extra = dict(task="instruct", data=str(tmp_path / "notes.json"), privacy_unit="user", user_id_column="user",
+                     batch_size=6)
+    cfg = tiny_cfg(tiny_llama_dir, tmp_path / "run", method=method, steps=4, micro_batch_size=8, dropout=0.05,
+                   checkpoint_every=100, **extra)
     with counter:
         loop.train(cfg, progress=True, log=lambda *a: None, setup=accelerator_path)
     per_step = [b - a for a, b in zip(starts, starts[1:])]  # steps 1..3 (the last one runs into the evaluation)

@@ -18,8 +18,8 @@ from ..data.collate import pad_collate
 from ..engine import to_device
 from ..privacy import split_micro_batches
 
-__all__ = ["micro_batches", "unit_micro_batches", "micro_batch_plan", "backward_micro_batches", "backward_batch",
-           "model_inputs"]
+__all__ = ["host_list", "micro_batches", "unit_micro_batches", "micro_batch_plan", "backward_micro_batches",
+           "backward_batch", "model_inputs"]
 
 
 def model_inputs(batch: dict, device: torch.device | None = None) -> dict:
@@ -27,10 +27,15 @@ def model_inputs(batch: dict, device: torch.device | None = None) -> dict:
     return {k: to_device(v, device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
 
 
+def host_list(indices) -> list[int]:
+    """The sampled indices (a tensor on the host, or any sequence) as a list of ints, in one read."""
+    return indices.tolist() if torch.is_tensor(indices) else [int(i) for i in indices]
+
+
 def micro_batches(indices: Sequence[int], examples: Sequence[dict], micro_batch_size: int,
                   group_by_length: bool = True) -> Iterator[list[int]]:
     """The micro-batches (lists of indices into ``examples``) of one logical batch."""
-    order = indices.tolist() if torch.is_tensor(indices) else [int(i) for i in indices]
+    order = host_list(indices)
     if group_by_length:
         order.sort(key=lambda i: len(examples[i]["input_ids"]))
     return split_micro_batches(order, micro_batch_size)
@@ -64,7 +69,7 @@ def micro_batch_plan(indices, examples: Sequence[dict] | None, micro_batch_size:
     kept whole in one micro-batch.  ``examples`` (for their lengths) may be None without ``group_by_length``."""
     if units is None:
         return [(m, None) for m in micro_batches(indices, examples, micro_batch_size, group_by_length)]
-    return list(unit_micro_batches([units[int(u)] for u in indices], examples, micro_batch_size, group_by_length))
+    return list(unit_micro_batches([units[u] for u in host_list(indices)], examples, micro_batch_size, group_by_length))
 
 
 def backward_micro_batches(private, micros: list[tuple[list[int], list[int] | None]],
