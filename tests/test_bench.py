@@ -102,6 +102,26 @@ def test_secure_noise_draw_benchmark_writes_its_table(tmp_path):
     assert "| tiny-bert | prism |" in (tmp_path / "noise.md").read_text()
 
 
+def test_secure_noise_written_out_llama_1b_shapes_match_the_model():
+    """The 1B workload's noise shapes (no model built) against Llama-3.2-1B's own Linear layers on the meta device:
+    r (in + out) coordinates per q/k/v/up/down module, 7,602,176 in all for r = 16, the same for both methods."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench.secure_noise import _shapes
+
+    cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=64, vocab_size=128256)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    targets = ("q_proj", "k_proj", "v_proj", "up_proj", "down_proj")
+    want = sum(16 * (m.in_features + m.out_features) for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets)
+    assert want == 7_602_176
+    for method in ("prism", "dp-adamw"):
+        assert sum(s.numel() for s, _ in _shapes("llama-3.2-1b-r16", method)) == want
+
+
 def test_extrapolation_counts_every_linear_layer_of_the_three_shapes():
     """The flop model's multiply-adds per token equal the Linear weights of the models themselves (built on the meta
     device from their configurations: an independent count)."""

@@ -349,3 +349,43 @@ def test_batching_modules_by_shape_does_not_change_the_math(dp):
         finals.append([p.detach().clone() for p in model.parameters() if p.requires_grad])
     for a, b in zip(*finals):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_privacy_json_names_the_torch_generator_of_the_device_that_draws_the_noise():
+    """Issue 30: on CUDA privacy.json said "Mersenne Twister on the CPU" while torch's CUDA generator is Philox,
+    drawing on the GPU.  The name follows the generator's device; make_private builds the generator on the
+    parameters' device and privacy.json names that one."""
+    from prismdp.engine import make_private
+    from prismdp.privacy.secure import describe_torch_generator
+
+    cuda, cpu = describe_torch_generator("cuda:0"), describe_torch_generator(torch.device("cpu"))
+    assert "Philox" in cuda and "on the GPU" in cuda and "Mersenne" not in cuda
+    assert "Mersenne Twister" in cpu and "on the CPU" in cpu
+    model = tiny_net()
+    private = make_private(model, method="dp-adamw", lr=1e-3, dataset_size=100, batch_size=10, steps=3,
+                           noise_multiplier=1.0, seed=5)
+    device = private.pairs[0].lora_A.weight.device
+    assert private.mechanism.generator.device == device
+    source = private.privacy_report()["noise_source"]
+    assert source == {"generator": describe_torch_generator(device), "gaussian": "torch.randn",
+                      "drawn_on": str(device)}
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_noise_is_drawn_on_the_device_by_its_seeded_generator(device):
+    """The release's noise is sigma C times torch.randn from a generator of that device seeded with the run's seed
+    (drawn there, in release order): the seeded reference, reproducible from the seed alone."""
+    from prismdp.privacy.clipping import DPConfig, noise_generator
+    from prismdp.privacy.mechanism import Euclidean, GaussianMechanism
+
+    shapes = [torch.Size([3, 4]), torch.Size([5])]
+    dev = torch.device(device)
+    mech = GaussianMechanism(DPConfig(2.0, 0.5, 4.0), generator=noise_generator(dev, seed=11), device=dev)
+    release = mech.release(Euclidean(shapes, torch.float32, [dev, dev]))
+    ref = torch.Generator(device=dev).manual_seed(11)
+    expected = [1.0 * torch.randn(s, generator=ref, device=dev) for s in shapes]  # sigma C = 1
+    for got, want in zip(release.noise, expected, strict=True):
+        assert got.device.type == dev.type
+        assert torch.equal(got, want)
+    for got, want in zip(release.values, expected, strict=True):
+        assert torch.allclose(got, want / 4.0)

@@ -46,6 +46,16 @@ def test_secure_streams_are_keyed_from_the_os_and_take_no_seed():
                      noise_multiplier=1.0, seed=0, secure_noise=True)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_secure_noise_on_cuda_is_the_cpu_draw_copied_to_the_device():
+    """On CUDA the ChaCha20 draw is cast on the CPU into pinned memory and copied asynchronously: the same values
+    as the CPU draw of the same key, on the device, in the release's dtype."""
+    got = SecureRandom(KEY).normal((3, 5), torch.float32, "cuda")
+    want = SecureRandom(KEY).normal((3, 5), torch.float32, "cpu")
+    assert got.device.type == "cuda" and got.dtype == torch.float32
+    assert torch.equal(got.cpu(), want)
+
+
 def test_noise_is_float32_or_wider():
     gen = SecureRandom()
     assert gen.normal((4,), torch.float32, "cpu").dtype == torch.float32

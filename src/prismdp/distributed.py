@@ -66,14 +66,17 @@ class World:
     def main(self) -> bool:
         return self.rank == 0
 
+    def _lost(self, what: str, e: BaseException) -> PeerLostError:
+        return PeerLostError(
+            f"rank {self.rank} of {self.size}: the collective '{what}' failed ({type(e).__name__}: {e}). Another "
+            "process of the run stopped or lost its connection; this run cannot continue. Resume it from its last "
+            "checkpoint with the same number of processes.")
+
     def _run(self, what: str, fn):
         try:
             return fn()
         except (RuntimeError, ValueError, OSError) as e:  # gloo/NCCL report a lost peer as RuntimeError subclasses
-            raise PeerLostError(
-                f"rank {self.rank} of {self.size}: the collective '{what}' failed ({type(e).__name__}: {e}). Another "
-                "process of the run stopped or lost its connection; this run cannot continue. Resume it from its last "
-                "checkpoint with the same number of processes.") from e
+            raise self._lost(what, e) from e
 
     @contextlib.contextmanager
     def collective(self, what: str) -> Iterator[None]:
@@ -84,7 +87,7 @@ class World:
         except RuntimeError as e:
             if not _lost_peer(e):
                 raise
-            self._run(what, lambda: _reraise(e))
+            raise self._lost(what, e) from e
 
     def all_reduce_sum(self, tensors: Sequence[Tensor], what: str = "sum") -> None:
         """In-place SUM across ranks; tensors are grouped by dtype into one flat buffer each (one collective per
@@ -164,10 +167,6 @@ def _lost_peer(e: BaseException) -> bool:
     import torch.distributed as dist
 
     return isinstance(e, getattr(dist, "DistError", ())) or any(s in str(e).lower() for s in _PEER_SIGNS)
-
-
-def _reraise(e: BaseException):
-    raise e
 
 
 def current_world() -> World | None:

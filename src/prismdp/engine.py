@@ -16,7 +16,7 @@ import contextlib
 import secrets
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -27,12 +27,12 @@ from .lora import LoraPair, RankRStart, find_lora_pairs, freeze_lora_A, move_to_
 from .optim import PRISM, dp_adamw, dp_ffa, dp_lamb, dp_lora_plus, dp_lora_rite
 from .privacy import BudgetExhaustedError, PoissonSampler, PrivacyBudget, calibrate_sigma, check_delta, epsilon
 from .privacy.accounting import vacuous_delta_error
-from .privacy.clipping import DPConfig
+from .privacy.clipping import DPConfig, noise_generator
 from .privacy.mechanism import GaussianMechanism
 from .privacy.secure import SecureRandom
 from .sharding import is_sharded
 
-__all__ = ["make_private", "PrivateLoRA", "METHODS", "MethodSpec", "register_method", "set_dense_lr"]
+__all__ = ["make_private", "PrivateLoRA", "METHODS", "MethodSpec", "register_method", "set_dense_lr", "to_device"]
 
 @dataclass
 class MethodSpec:
@@ -92,6 +92,34 @@ register_method("lamb", dp_lamb, label="LAMB", lr={"glue": 5e-3, "math": 5e-3, "
 register_method("lora-rite", dp_lora_rite, label="RITE", lr=_ADAM_LIKE)
 
 
+def to_device(t: Tensor, device: torch.device | str | None) -> Tensor:
+    """``t`` on ``device`` without stalling the host: a CPU tensor bound for CUDA is pinned and copied
+    asynchronously (a plain ``.to("cuda")`` from pageable memory waits for the device's queue to drain); elsewhere
+    a plain ``.to``.  ``device=None`` leaves ``t`` where it is."""
+    if device is None:
+        return t
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _unit_counts(groups, b: int) -> tuple[Tensor, Tensor]:
+    """``groups`` (the unit of each of ``b`` examples, numbered 0..g-1) as a long tensor, and each unit's example
+    count; refuses gaps.  A list is checked on the host (no device read per micro-batch); a tensor where it lives."""
+    if not torch.is_tensor(groups):
+        groups = [int(u) for u in groups]
+        if len(groups) != b or set(groups) != set(range(max(groups, default=-1) + 1)):
+            raise ValueError("groups must give each example its unit, numbered 0..g-1 without gaps")
+        groups = torch.tensor(groups, dtype=torch.long)
+        return groups, torch.bincount(groups)
+    groups = groups.long()
+    counts = torch.bincount(groups)
+    if groups.shape != (b,) or bool((counts == 0).any()):
+        raise ValueError("groups must give each example its unit, numbered 0..g-1 without gaps")
+    return groups, counts
+
+
 def set_dense_lr(optimizer, dense_params: list[nn.Parameter], lr: float) -> None:
     """Give the dense (non-LoRA) parameters their own learning rate: they move to a param group of their own (other
     hyper-parameters copied from the group they leave).  Call before the first step."""
@@ -144,7 +172,7 @@ class PrivateLoRA:
         """The remaining Poisson batches (index tensors), resumable through :meth:`state_dict`."""
         return iter(self.data_sampler)
 
-    def backward(self, losses: Tensor, groups: Tensor | None = None) -> None:
+    def backward(self, losses: Tensor, groups: Tensor | Sequence[int] | None = None) -> None:
         """Backpropagate one micro-batch of per-example losses (shape (b,); each depends on its example only).
 
         ``groups`` (b,) (user-level privacy): the privacy unit of each example, numbered ``0..g-1`` within the
@@ -160,12 +188,10 @@ class PrivateLoRA:
             return
         n_units = losses.numel()
         if groups is not None:
-            groups = torch.as_tensor(groups, dtype=torch.long, device=losses.device)
-            counts = torch.bincount(groups)
-            if groups.shape != losses.shape or bool((counts == 0).any()):
-                raise ValueError("groups must give each example its unit, numbered 0..g-1 without gaps")
+            groups, counts = _unit_counts(groups, losses.numel())
             n_units = counts.numel()
-            losses = losses / counts[groups]
+            losses = losses / to_device(counts[groups], losses.device)
+            groups = to_device(groups, losses.device)
         losses.sum().backward()
         if self.private:
             grads = self.grad_sampler.collect()
@@ -213,8 +239,8 @@ class PrivateLoRA:
                 self.grad_sampler.arm()
 
     def micro_steps(self, local: int) -> int:
-        """The number of micro-batches every rank runs for this logical step (the largest local count; a rank with
-        fewer runs empty ones): ranks agree even when a local Poisson batch is empty."""
+        """The number of micro-batches every rank runs for this logical step of a sharded base (the largest local
+        count; a rank with fewer runs idle ones): one all-reduce and one host read per step, sharded runs only."""
         return local if self.world is None else self.world.all_reduce_max(local, "micro-step count")
 
     def check_replicas(self, step: int) -> None:
@@ -391,9 +417,8 @@ def make_private(
     if dp is not None:
         if secure_noise:
             gen = SecureRandom(world.shared_key() if world is not None else None)
-        else:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(base_seed)
+        else:  # the parameters' device draws the noise, with its own generator (Philox on CUDA)
+            gen = noise_generator(device, seed=base_seed)
         mechanism = GaussianMechanism(dp, generator=gen, budget=budget, device=device,
                                       reduce=world.all_reduce_sum if world is not None else None)
     if start is None and rank_r_start:

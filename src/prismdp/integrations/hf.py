@@ -51,7 +51,7 @@ from torch import nn
 from transformers import Trainer
 
 from ..atomic import write_json
-from ..engine import METHODS, make_private
+from ..engine import METHODS, make_private, to_device
 from ..export import export_adapter
 from ..losses import causal_lm_losses, classification_losses
 from ..distributed import current_world
@@ -321,15 +321,17 @@ class PrivacyMixin:
                 _refuse(f"the data collator returned {None if labels is None else labels.shape[0]} label rows for "
                         f"{len(ids)} examples; it must keep every example (no dropping, no duplicating) and "
                         "return 'labels'")
-            batch = self._prepare_inputs({k: v for k, v in batch.items() if k in _MODEL_INPUTS})
+            device = self.args.device  # pinned, asynchronous copies: no wait for the device per micro-batch
+            batch = self._prepare_inputs({k: to_device(v, device) if torch.is_tensor(v) else v
+                                          for k, v in batch.items() if k in _MODEL_INPUTS})
             logits = model(**batch).logits
-            return per_example_losses(logits, labels.to(logits.device))
+            return per_example_losses(logits, to_device(labels, logits.device))
 
         # sampled order (whole users per micro-batch with privacy_unit user)
         plan = micro_batch_plan(inputs["prismdp_units"], None, self.args.per_device_train_batch_size,
                                 group_by_length=False, units=self._units)
-        loss_sum, n = backward_micro_batches(self.private, plan, losses_of)
-        return torch.tensor(loss_sum / n if n else 0.0, device=self.args.device)
+        totals = backward_micro_batches(self.private, plan, losses_of)  # stays on the device: the Trainer reads
+        return (totals[0] / totals[1].clamp_min(1)).float().to(self.args.device)  # its loss when it logs
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         if "loss" in logs:  # training logs: the privacy spent so far and the last step's clipping

@@ -57,14 +57,16 @@ class ClipStats:
     norm_sum: Tensor
 
     def as_dict(self) -> dict[str, float]:
-        """Host-side summary (synchronises; call once per logical step at most)."""
-        n = float(self.examples)
+        """Host-side summary: one read of the five statistics, stacked (a single host synchronisation; call once
+        per logical step at most)."""
+        n, clipped, coef_sum, nonfinite, norm_sum = torch.stack(
+            [self.examples, self.clipped, self.coef_sum, self.nonfinite, self.norm_sum]).tolist()
         return {
             "batch_size": n,
-            "clip_fraction": float(self.clipped) / n if n else 0.0,
-            "clip_coef_mean": float(self.coef_sum) / n if n else 1.0,
-            "grad_norm_mean": float(self.norm_sum) / n if n else 0.0,
-            "nonfinite": float(self.nonfinite),
+            "clip_fraction": clipped / n if n else 0.0,
+            "clip_coef_mean": coef_sum / n if n else 1.0,
+            "grad_norm_mean": norm_sum / n if n else 0.0,
+            "nonfinite": nonfinite,
         }
 
 
@@ -154,10 +156,13 @@ def gaussian_like(t: Tensor, std: float, generator: torch.Generator | None) -> T
     return torch.randn(t.shape, generator=generator, dtype=t.dtype, device=t.device) * std
 
 
-def noise_generator(device: torch.device, generator: torch.Generator | None = None) -> torch.Generator:
-    """``generator`` itself, or a new one on ``device`` seeded from OS entropy (not reproducible by design)."""
+def noise_generator(device: torch.device | str, generator: torch.Generator | None = None,
+                    seed: int | None = None) -> torch.Generator:
+    """``generator`` itself, or a new torch generator *of* ``device`` (the noise is drawn where the parameters are,
+    with that device's own algorithm: :func:`prismdp.privacy.secure.describe_torch_generator`), seeded with ``seed``
+    or, without one, from OS entropy (not reproducible by design)."""
     if generator is not None:
         return generator
-    fresh = torch.Generator(device=device)
-    fresh.manual_seed(secrets.randbits(63))
+    fresh = torch.Generator(device=torch.device(device))
+    fresh.manual_seed(secrets.randbits(63) if seed is None else seed)
     return fresh

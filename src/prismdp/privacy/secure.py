@@ -24,6 +24,9 @@ noise is reproducible by anyone who knows the seed.  In secure mode:
   the OS: its later steps draw independent noise and samples, which is all the guarantee needs (each step's noise
   must be independent of everything else), but the run is not bit-for-bit the one an uninterrupted run would have
   been (no secure run is reproducible anyway).
+* **On a GPU**: ChaCha20 and the four normals per coordinate run on the CPU (randomgen has no GPU kernel); each
+  noise tensor is summed and cast to the release's dtype on the CPU into page-locked memory and copied to the device
+  once, asynchronously (the step does not wait for it).  Costs per step: ``bench/results/secure-noise/``.
 * **Several processes** (:mod:`prismdp.distributed`): the noise of the global sum must be one draw shared by all
   ranks.  Rank 0 draws the key and broadcasts it once (:meth:`prismdp.distributed.World.shared_key`); every rank then
   draws the same noise locally, with no per-step communication.  That gives no rank anything it does not already hold:
@@ -40,7 +43,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["SecureRandom", "TorchNoise", "KEY_BYTES", "NORMALS_PER_DRAW"]
+__all__ = ["SecureRandom", "TorchNoise", "KEY_BYTES", "NORMALS_PER_DRAW", "TORCH_GENERATORS",
+           "describe_torch_generator"]
 
 KEY_BYTES = 32
 NORMALS_PER_DRAW = 4  # Holohan-Braghin: (N1 + ... + N4) / 2
@@ -75,8 +79,15 @@ class SecureRandom:
             raise ValueError(f"secure noise is drawn in float32 or wider, not {dtype}")
         size = (NORMALS_PER_DRAW, *tuple(shape))
         draws = self._gen.standard_normal(size)
-        total = draws.sum(axis=0) / np.sqrt(NORMALS_PER_DRAW)
-        return torch.from_numpy(total).to(device=device, dtype=dtype)
+        total = torch.from_numpy(draws.sum(axis=0) / np.sqrt(NORMALS_PER_DRAW))
+        device = torch.device(device)
+        if device.type != "cuda":
+            return total.to(device=device, dtype=dtype)
+        # on a GPU: cast on the CPU straight into page-locked memory (half the bytes of float64 for float32), then
+        # one asynchronous copy per tensor; the host does not wait for the device (bench/secure_noise.py: costs)
+        staged = torch.empty(total.shape, dtype=dtype, pin_memory=True)
+        staged.copy_(total)
+        return staged.to(device, non_blocking=True)
 
     # Checkpoints hold no key: a resumed secure run continues with a fresh OS-drawn key (see the module docstring).
     def state_dict(self) -> dict[str, Any]:
@@ -88,15 +99,29 @@ class SecureRandom:
                              "(resume with the run's own --secure-noise setting)")
 
 
+#: torch's generator of each device type: its algorithm and where it draws (``torch.Generator(device=...)``; ATen's
+#: CPUGeneratorImpl, CUDAGeneratorImpl and MPSGeneratorImpl)
+TORCH_GENERATORS = {"cpu": "Mersenne Twister MT19937, drawn on the CPU",
+                    "cuda": "Philox4x32-10, counter-based, drawn on the GPU",
+                    "mps": "Philox4x32, counter-based, drawn on the GPU"}
+
+
+def describe_torch_generator(device: torch.device | str) -> str:
+    """What privacy.json says of a torch generator of ``device``: its algorithm and where the noise is drawn."""
+    kind = torch.device(device).type
+    return f"torch {kind} generator ({TORCH_GENERATORS.get(kind, 'the backend default, drawn on the device')})"
+
+
 class TorchNoise:
-    """The default noise source: ``torch.randn`` from a torch generator (seedable, reproducible, not secure)."""
+    """The default noise source: ``torch.randn`` from a torch generator (seedable, reproducible, not secure), drawn
+    on the generator's device (the parameters' device: no CPU draw and copy)."""
 
     def __init__(self, generator: torch.Generator):
         self.generator = generator
 
     def describe(self) -> dict[str, Any]:
-        return {"generator": f"torch {self.generator.device.type} generator (Mersenne Twister on the CPU)",
-                "gaussian": "torch.randn"}
+        return {"generator": describe_torch_generator(self.generator.device), "gaussian": "torch.randn",
+                "drawn_on": str(self.generator.device)}
 
     def normal(self, shape: Sequence[int], dtype: torch.dtype, device) -> Tensor:
         return torch.randn(tuple(shape), generator=self.generator, dtype=dtype, device=device)

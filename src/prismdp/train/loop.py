@@ -195,6 +195,7 @@ def _train_steps(run, folder: RunFolder, step: int, fingerprint: str, stop_after
             loss_sum, n = backward_batch(private, model, data.train, data.loss, batch, cfg.micro_batch_size, pad_id,
                                          device, cfg.group_by_length, units=data.units)
             stats = private.step()
+            step_time = time.perf_counter() - t0  # the step (its host reads included), not the accountant or the log
             step += 1
             stopping = stop.requested
             if world is not None:  # a stop request on any rank stops every rank after this step
@@ -208,7 +209,7 @@ def _train_steps(run, folder: RunFolder, step: int, fingerprint: str, stop_after
                 "nonfinite": stats.get("nonfinite"),
                 "batch_size": n,
                 "lr": private.optimizer.param_groups[0]["lr"],
-                "step_time_s": time.perf_counter() - t0,
+                "step_time_s": step_time,
                 "elapsed_s": time.perf_counter() - loop_start,  # since this segment's loop began: all it did
             }
             if main:

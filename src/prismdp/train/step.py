@@ -16,22 +16,27 @@ import torch
 from torch import Tensor
 
 from ..data.collate import pad_collate
+from ..engine import to_device
 from ..privacy import split_micro_batches
 
-__all__ = ["micro_batches", "unit_micro_batches", "micro_batch_plan", "backward_micro_batches", "backward_batch",
-           "model_inputs"]
+__all__ = ["host_list", "micro_batches", "unit_micro_batches", "micro_batch_plan", "backward_micro_batches",
+           "backward_batch", "model_inputs"]
 
 
 def model_inputs(batch: dict, device: torch.device | None = None) -> dict:
-    """The model's input tensors of a collated batch (on ``device`` if given)."""
-    return {k: v if device is None else v.to(device) for k, v in batch.items()
-            if k in ("input_ids", "attention_mask", "token_type_ids")}
+    """The model's input tensors of a collated batch (on ``device`` if given; pinned and asynchronous to CUDA)."""
+    return {k: to_device(v, device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+
+
+def host_list(indices) -> list[int]:
+    """The sampled indices (a tensor on the host, or any sequence) as a list of ints, in one read."""
+    return indices.tolist() if torch.is_tensor(indices) else [int(i) for i in indices]
 
 
 def micro_batches(indices: Sequence[int], examples: Sequence[dict], micro_batch_size: int,
                   group_by_length: bool = True) -> Iterator[list[int]]:
     """The micro-batches (lists of indices into ``examples``) of one logical batch."""
-    order = [int(i) for i in indices]
+    order = host_list(indices)
     if group_by_length:
         order.sort(key=lambda i: len(examples[i]["input_ids"]))
     return split_micro_batches(order, micro_batch_size)
@@ -65,19 +70,23 @@ def micro_batch_plan(indices, examples: Sequence[dict] | None, micro_batch_size:
     kept whole in one micro-batch.  ``examples`` (for their lengths) may be None without ``group_by_length``."""
     if units is None:
         return [(m, None) for m in micro_batches(indices, examples, micro_batch_size, group_by_length)]
-    return list(unit_micro_batches([units[int(u)] for u in indices], examples, micro_batch_size, group_by_length))
+    return list(unit_micro_batches([units[u] for u in host_list(indices)], examples, micro_batch_size, group_by_length))
 
 
 def backward_micro_batches(private, micros: list[tuple[list[int], list[int] | None]],
-                           losses_of: Callable[[list[int]], Tensor]) -> tuple[float, int]:
+                           losses_of: Callable[[list[int]], Tensor]) -> Tensor:
     """The micro-batch loop of one logical step (``prismdp train``, the diagnostics and the Hugging Face Trainer):
     ``losses_of(example indices)`` -> (b,) per-example losses, each micro-batch through ``private.backward`` (the
-    optimizer step is the caller's).  Every rank of a multi-process run runs as many micro-steps (some empty; with a
-    sharded base an empty one runs example 0 through the model under :meth:`PrivateLoRA.idle`, its gradient discarded).
-    Returns the summed per-example loss and the number of examples, over every rank (both private: not covered by
-    the DP guarantee)."""
-    loss_sum, n = 0.0, 0
-    agreed = private.micro_steps(len(micros))
+    optimizer step is the caller's).  No collective runs inside a micro-step, so the ranks of a multi-process run
+    need not agree on their number of micro-batches (a rank with an empty share runs none), except with a sharded
+    base (``private.lockstep``, :mod:`prismdp.sharding`): every forward is then a collective, the ranks agree on the
+    count (one all-reduce per step) and a rank with fewer micro-batches runs idle ones, example 0 through the model
+    under :meth:`PrivateLoRA.idle`, its gradient discarded.
+    Returns ``[summed per-example loss, number of examples]`` over every rank, a float64 tensor left on the losses'
+    device (both private: not covered by the DP guarantee): nothing here waits for the device; the caller reads it
+    once, with the step's other numbers."""
+    total, n = None, 0
+    agreed = private.micro_steps(len(micros)) if private.lockstep else len(micros)
     guard = private.world.collective if private.lockstep else lambda what: contextlib.nullcontext()
     for micro, groups in micros + [([], None)] * (agreed - len(micros)):
         if not micro:
@@ -87,14 +96,15 @@ def backward_micro_batches(private, micros: list[tuple[list[int], list[int] | No
             continue  # otherwise an empty micro-batch has nothing to compute
         with guard("micro-step of the sharded model"):
             losses = losses_of(micro)
-            private.backward(losses, groups=None if groups is None else torch.tensor(groups))
-        loss_sum += float(losses.detach().sum())
+            private.backward(losses, groups=groups)
+        summed = losses.detach().sum().double()  # as float(): a float64 sum of the micro-batches' own sums
+        total = summed if total is None else total + summed
         n += losses.numel()
+    total = torch.zeros((), dtype=torch.float64) if total is None else total
+    totals = torch.stack([total, torch.full_like(total, float(n))])  # filled on the device: no copy, no wait
     if private.world is not None:  # the logged loss is the global batch's
-        total = torch.tensor([loss_sum, float(n)], dtype=torch.float64)
-        private.world.all_reduce_sum([total], "training loss")
-        loss_sum, n = float(total[0]), int(total[1])
-    return loss_sum, n
+        private.world.all_reduce_sum([totals], "training loss")
+    return totals
 
 
 def backward_batch(private, model, examples: Sequence[dict], loss_fn, indices, micro_batch_size: int, pad_id: int,
@@ -105,7 +115,8 @@ def backward_batch(private, model, examples: Sequence[dict], loss_fn, indices, m
 
     def losses_of(micro: list[int]) -> Tensor:
         feats = pad_collate([examples[i] for i in micro], pad_id)
-        return loss_fn(model(**model_inputs(feats, device)).logits, feats["labels"].to(device))
+        return loss_fn(model(**model_inputs(feats, device)).logits, to_device(feats["labels"], device))
 
     plan = micro_batch_plan(indices, examples, micro_batch_size, group_by_length, units)
-    return backward_micro_batches(private, plan, losses_of)
+    loss_sum, n = backward_micro_batches(private, plan, losses_of).tolist()  # the step's one read of its loss
+    return loss_sum, int(n)
