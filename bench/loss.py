@@ -109,11 +109,11 @@ def run(workload: str = "W2", rounds: int = 10, warmup: int = 2, clock: str = "w
               "vocab": vocab, "rounds": rounds, "warmup": warmup, "clock": clock, "sections": {}}
     if "step" in sections:
         report["sections"]["step"] = summarize(interleave(_step_fns(model, ids, ids), rounds, warmup, CLOCKS[clock]))
-        log(f"[bench.loss] step: " + _line(report["sections"]["step"]))
+        log("[bench.loss] step: " + _line(report["sections"]["step"]))
     if "loss" in sections:
         logits = torch.randn(w.micro, w.seq_len, vocab, generator=g).requires_grad_()
         report["sections"]["loss"] = summarize(interleave(_loss_fns(logits, ids), rounds, warmup, CLOCKS[clock]))
-        log(f"[bench.loss] loss: " + _line(report["sections"]["loss"]))
+        log("[bench.loss] loss: " + _line(report["sections"]["loss"]))
     return report
 
 
