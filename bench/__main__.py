@@ -46,6 +46,9 @@ RATIOS = [  # (name, numerator, denominator, target by workload): issue 17's tar
     ("dp-adamw-secure / dp-adamw", "dp-adamw-secure", "dp-adamw", {}),
     ("dp-adamw / opacus-dp-adamw", "dp-adamw", "opacus-dp-adamw", {"W1": 1.00, "W2": 1.00}),
     ("opacus-dp-adamw / lora-adamw", "opacus-dp-adamw", "lora-adamw", {}),
+    # issue 30: against plain PEFT with the model's own loss (labels=)
+    ("prism / lora-adamw-own-loss", "prism", "lora-adamw-own-loss", {"W2": 1.10}),
+    ("lora-adamw / lora-adamw-own-loss", "lora-adamw", "lora-adamw-own-loss", {}),
 ]
 MEMORY_RATIOS = [("prism / lora-adamw", "prism", "lora-adamw", 1.05), ("prism / dp-adamw", "prism", "dp-adamw", 1.05)]
 TRAIN_JOBS = ("W0", "W1", "W2")

@@ -5,6 +5,8 @@ fixed length ``seq_len`` (random token ids, full attention mask), then one optim
 Variants (:func:`available_variants`; the default run is :data:`VARIANTS`):
 
 * ``lora-adamw``      non-private LoRA: PEFT + ``torch.optim.AdamW``, mean loss, gradient accumulation.
+* ``lora-adamw-own-loss`` the same with the model's own loss (``model(..., labels=labels).loss``) instead of
+                      prismdp's per-example losses: what a user of plain PEFT runs (issue 30's reference).
 * every method registered in :data:`prismdp.engine.METHODS` (``make_private(method=...)``), e.g. ``dp-adamw``
                       (prismdp's factor-space DP-AdamW) and ``prism``.
 * ``prism-no-dropout-comp`` (opt-in ablation, not in the default run) PRISM without what keeps LoRA dropout off the
@@ -35,8 +37,10 @@ from typing import Callable, Dict, List
 import torch
 from torch import nn
 
-REFERENCES = ("lora-adamw", "opacus-dp-adamw")  # not prismdp methods: the non-private and Opacus baselines
-VARIANTS = ("lora-adamw", "dp-adamw", "prism", "opacus-dp-adamw")  # the default run
+OWN_LOSS = "lora-adamw-own-loss"  # plain PEFT LoRA + AdamW with the model's own loss (issue 30)
+# not prismdp methods: the non-private and Opacus baselines
+REFERENCES = ("lora-adamw", "opacus-dp-adamw", OWN_LOSS)
+VARIANTS = ("lora-adamw", "dp-adamw", "prism", "opacus-dp-adamw", OWN_LOSS)  # the default run
 # selectable with --variants, not run by default: a registered method with one thing changed
 ABLATIONS = {"prism-no-dropout-comp": "prism", "prism-secure": "prism", "dp-adamw-secure": "dp-adamw",
              "prism-bf16": "prism", "prism-ckpt": "prism", "prism-bf16-ckpt": "prism"}
@@ -220,11 +224,15 @@ def build_variant(name: str, w: Workload, base: nn.Module, shard: tuple[int, int
     vocab = model.get_input_embeddings().num_embeddings
     data = _batches(w, vocab)
 
-    if name == "lora-adamw":
+    if name in ("lora-adamw", OWN_LOSS):
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
         def micro(ids, mask, labels):
-            (_per_example_losses(w, model, ids, mask, labels).mean() / w.n_micro).backward()
+            if name == OWN_LOSS:
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            else:
+                loss = _per_example_losses(w, model, ids, mask, labels).mean()
+            (loss / w.n_micro).backward()
 
         def update():
             opt.step()

@@ -4,6 +4,7 @@ import json
 import statistics
 
 import pytest
+import torch
 
 from bench.__main__ import interleaved_round, main, markdown, measure_memory
 from bench.micro import HostSyncCounter, run_micro
@@ -39,7 +40,7 @@ def test_runner_interleaves_variants_and_writes_consistent_results(tmp_path):
     for name, v in res["variants"].items():
         assert len(v["times_s"]) == 3 and v["median_s"] == statistics.median(v["times_s"])
         assert v["min_s"] <= v["median_s"] <= v["max_s"]
-        private = name != "lora-adamw"
+        private = name not in ("lora-adamw", "lora-adamw-own-loss")
         assert (v["mechanism_share"] is not None) == private
         if private:
             assert 0 < v["mechanism_share"] < 1
@@ -193,3 +194,51 @@ def test_profile_counts_the_compensations_flops_and_time(tmp_path):
     bound = compensation_flops(Shape("tiny", [(32, 32, 4)], 0, 2, 32, 16, 8, 4, r=4))
     assert comp["flops"] - plain["flops"] <= bound == 128 * per_token * 4 * 2
     assert "| prism |" in (tmp_path / "profile.md").read_text()
+
+
+def test_own_loss_reference_takes_the_same_gradient_as_the_per_example_mean_on_full_batches():
+    # bench's issue-30 reference (the model's own token-mean loss, labels=) against prismdp's per-example mean: on
+    # the bench's batches every example has the same number of target tokens, so the two losses and gradients agree
+    from bench.workloads import OWN_LOSS, build_variant
+
+    w = WORKLOADS["tiny-llama"]
+    base = w.load()
+    grads = {}
+    for name in ("lora-adamw", OWN_LOSS):
+        v = build_variant(name, w, base)
+        torch.manual_seed(1)  # the same LoRA dropout masks
+        for part in v.parts[:-1]:  # the micro-batches, not the update
+            part()
+        micro = v.parts[0].func  # functools.partial(micro, ids, mask, labels): its closure holds the model
+        model = micro.__closure__[micro.__code__.co_freevars.index("model")].cell_contents
+        grads[name] = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    assert len(grads["lora-adamw"]) == 16 and any(g.abs().sum() > 0 for g in grads[OWN_LOSS])
+    for a, b in zip(grads["lora-adamw"], grads[OWN_LOSS]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_loss_benchmark_writes_its_sections_and_ratios(tmp_path):
+    from bench.loss import main as loss_main
+
+    assert loss_main(["--workload", "tiny-llama", "--rounds", "2", "--warmup", "1", "--output", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "loss.json").read_text())
+    assert set(report["sections"]) == {"step", "loss"} and report["vocab"] == 200
+    for sec in report["sections"].values():
+        assert list(sec) == ["own", "old", "new"]
+        assert sec["own"]["over_own_paired_median"] == 1.0
+        for v in sec.values():
+            assert len(v["times_s"]) == 2 and v["median_s"] == statistics.median(v["times_s"])
+    assert "new / own <= 1.10" in (tmp_path / "loss.md").read_text()
+    with pytest.raises(ValueError, match="needs a causal-LM workload"):
+        loss_main(["--workload", "tiny-bert", "--output", str(tmp_path)])
+
+
+def test_the_benchmarks_old_loss_is_the_formula_before_issue_30():
+    from bench.loss import old_causal_lm_losses
+    from prismdp.losses import causal_lm_losses
+
+    g = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(3, 7, 11, generator=g, dtype=torch.float64), torch.randint(0, 11, (3, 7), generator=g)
+    labels[0, :4] = -100
+    torch.testing.assert_close(old_causal_lm_losses(logits, labels).double(), causal_lm_losses(logits, labels),
+                               rtol=1e-6, atol=1e-6)
