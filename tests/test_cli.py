@@ -1,16 +1,14 @@
 """`prismdp train` / `prismdp epsilon` end to end on tiny models."""
 
 import json
-import os
 import shlex
 import signal
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from helpers import interrupt_when_logged
+from helpers import Spawned, interrupt_when_logged
 from prismdp.cli import main
 from prismdp.engine import METHODS
 from prismdp.privacy import calibrate_sigma, epsilon
@@ -324,11 +322,11 @@ def test_ctrl_c_on_the_command_line_prints_the_resume_command_and_no_traceback(t
     out = tmp_path / "run"
     args = ["train", "--model", tiny_bert_dir, "--synthetic-train", "64", "--synthetic-test", "16", "--steps", "20",
             "--batch-size", "8", "--rank", "2", "--max-length", "16", "--quiet", "--output", str(out)]
-    proc = subprocess.Popen([sys.executable, "-m", "prismdp", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    interrupt_when_logged(out / "metrics.jsonl", 2, pid=proc.pid)
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 130, err[-2000:]
+    with Spawned([[sys.executable, "-m", "prismdp", *args]], tmp_path / "logs") as run:  # bounded, nothing left
+        interrupt_when_logged(out / "metrics.jsonl", 2, pid=run.procs[0].pid)
+        done = run.wait(600)[0]
+    err = done.stderr
+    assert done.returncode == 130, err[-2000:]
     assert "Traceback" not in err and "stopped after step" in err and "(SIGINT)" in err, err[-2000:]
     again = shlex.split(err.strip().splitlines()[-1])
     assert again[0] == "prismdp" and again[1:] == [*args, "--resume"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import TrainingArguments
 
-from helpers import mechanism, net_batch, tiny_net
+from helpers import net_batch, tiny_net
 from prismdp.data.collate import pad_collate
 from prismdp.integrations.hf import PrivacyArguments, PrivateTrainer, per_example_losses
 
@@ -73,6 +73,9 @@ class FixedBatches:
             self.step += 1
             yield torch.tensor([i for i in self.batches[self.step - 1] if i % self.world == self.rank],
                                dtype=torch.long)
+
+    def describe(self) -> dict[str, str]:  # the privacy report's sampling_source
+        return {"generator": "none: a fixed schedule (test)", "inclusion": "fixed"}
 
 
 def fixed_batches(steps: int, n: int = 96, rate: float = 0.2, seed: int = 5) -> list[list[int]]:
