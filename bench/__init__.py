@@ -1,1 +1,19 @@
 """prismdp's benchmarks (run ``python -m bench --help`` from the repository root)."""
+
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def code_commit() -> str:
+    """The repository's commit, with "+ uncommitted changes" when the timed code (src/, bench/) differs from it;
+    "unknown" outside a git checkout."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=ROOT).stdout.strip() or "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src", "bench"],
+                               capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    except OSError:
+        return "unknown"
+    return commit + (" + uncommitted changes" if dirty else "")

@@ -34,6 +34,7 @@ from prismdp.train.profile import PeakMemory, status_kb
 
 from . import extrapolate as extrap
 from . import train_job
+from . import code_commit
 from .micro import HostSyncCounter, run_micro
 from .workloads import ABLATIONS, CLOCKS, VARIANTS, WORKLOADS, available_variants, build_variant
 
@@ -270,16 +271,7 @@ def markdown(report: dict) -> str:
 
 
 def _environment(threads: int) -> dict:
-    try:
-        here = Path(__file__).resolve().parent
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=here).stdout.strip() or "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src", "bench"],
-                               capture_output=True, text=True, cwd=here).stdout.strip()
-        commit += " + uncommitted changes" if dirty else ""
-    except OSError:
-        commit = "unknown"
-    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": code_commit(),
             "torch": torch.__version__, "threads": threads, "cpus": os.cpu_count(),
             "machine": f"{platform.machine()} {platform.processor() or platform.system()}"}
 

@@ -28,7 +28,6 @@ import gc
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ from typing import Callable, Dict, List
 
 import torch
 
+from . import code_commit
 from .gpu_models import GPU_SHAPES, SHAPES, TINY_SHAPES, Shape, bf16_peak_tflops, build_base, flops_per_token, sanitize
 from .gpu_report import GB, RATIOS, markdown, summarize_shape  # noqa: F401 (RATIOS: the report's ratios)
 from .gpu_variants import VARIANTS, batch, build_variant
@@ -269,15 +269,7 @@ def _version(dist: str) -> str | None:
 
 
 def environment(device: torch.device) -> dict:
-    here = Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=here).stdout.strip() or "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src", "bench"],
-                               capture_output=True, text=True, cwd=here).stdout.strip()
-        commit += " + uncommitted changes" if dirty else ""
-    except OSError:
-        commit = "unknown"
+    commit = code_commit()
     cuda = device.type == "cuda"
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit, "device": device.type,
@@ -385,7 +377,7 @@ def main(argv=None) -> int:
                             args.min_rounds, on_cell=on_cell, log=lambda m: print(m, flush=True),
                             peak=env["peak_tflops"])
             report["shapes"][i] = res
-        except Exception as e:  # noqa: BLE001 -- recorded; the next shape still runs
+        except Exception:  # noqa: BLE001 -- recorded; the next shape still runs
             report["shapes"][i].update(status="error", error=traceback.format_exc()[-3000:])
             print(f"[bench.gpu] {shape.name} failed:\n{traceback.format_exc()}", flush=True)
             _free(device)

@@ -387,3 +387,12 @@ def torchrun(nproc: int, argv: list[str], tmp_path: Path, timeout: float = 240, 
     """One torchrun command, bounded by ``timeout`` (then torchrun and its workers are killed and the test fails)."""
     with Spawned([torchrun_cmd(nproc, *argv)], Path(tmp_path) / "logs", env=env, names=[name]) as group:
         return group.wait(timeout)[0]
+
+
+def run_python(code: str, timeout: float) -> Finished:
+    """``python -c code``, bounded by ``timeout`` (then it and any child are killed and the test fails)."""
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as logs, Spawned([[sys.executable, "-c", code]], Path(logs)) as group:
+        return group.wait(timeout)[0]

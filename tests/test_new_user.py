@@ -4,33 +4,15 @@ import ast
 import functools
 import json
 import math
-import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import run_python
 from prismdp.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _run_bounded(code: str, timeout: float) -> subprocess.CompletedProcess:
-    """``python -c code`` in its own process group, killed whole (group) if it outlives ``timeout``: a hang fails the
-    test instead of hanging the suite."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"still running after {timeout} s (killed): {code}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 # ---------------------------------------------------------------- 1, 2: a delta at which epsilon 0 holds
@@ -46,7 +28,7 @@ def bounded_accounting():
             "'0.5', '--accountant', 'pld'])\n"
             "print(repr((rc, err.getvalue())), flush=True)\n"
             "from prismdp.privacy.accounting import _epsilon; print(_epsilon(0.01, 0.08, 2, 1e-5, 'pld'))")
-    res = _run_bounded(code, timeout=150)
+    res = run_python(code, timeout=150)
     assert res.returncode == 0, res.stderr[-2000:]
     first, second = res.stdout.strip().splitlines()[-2:]
     return ast.literal_eval(first), second
