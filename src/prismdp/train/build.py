@@ -112,7 +112,8 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
     torch.manual_seed(cfg.seed)  # the same initial model on every rank (seeds every CUDA device too)
     device = cfg.torch_device(world)
     task_type, num_labels = task_head(cfg)
-    model, tokenizer = load_model(cfg.model, task_type, num_labels, dtype=cfg.torch_dtype(), pooling=cfg.pooling)
+    model, tokenizer = load_model(cfg.model, task_type, num_labels, dtype=cfg.torch_dtype(), pooling=cfg.pooling,
+                                  quantize=cfg.quantize, device=device if cfg.quantize else None)
     data = build_task_data(cfg, tokenizer)
     if extend_data is not None:
         extend_data(data, tokenizer, num_labels)
@@ -126,7 +127,8 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
     for name, reason in data.gen_eval_missing.items():
         log(f"[prismdp] eval set {name} is missing (reported in summary.json): {reason}")
     model, targets, exclude = build_lora_model(cfg, model, task_type)
-    model = model.to(device)
+    if not cfg.quantize:  # a quantized base is loaded on its device (bitsandbytes quantizes it there)
+        model = model.to(device)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     private = make_private(
