@@ -213,3 +213,11 @@ def test_quantize_is_validated_and_a_missing_bitsandbytes_names_the_fix(monkeypa
     monkeypatch.setitem(__import__("sys").modules, "bitsandbytes", None)
     with pytest.raises(ModelLoadError, match="pip install 'bitsandbytes"):
         load_model(None, "causal_lm", quantize="4bit")
+
+
+def test_a_bitsandbytes_without_cpu_backend_names_the_fix(monkeypatch):
+    import bitsandbytes
+
+    monkeypatch.setattr(bitsandbytes, "__version__", "0.42.0")
+    with pytest.raises(ModelLoadError, match="no CPU backend.*--upgrade"):
+        load_model(None, "causal_lm", quantize="4bit", device="cpu")

