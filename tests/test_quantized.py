@@ -221,3 +221,53 @@ def test_a_bitsandbytes_without_cpu_backend_names_the_fix(monkeypatch):
     monkeypatch.setattr(bitsandbytes, "__version__", "0.42.0")
     with pytest.raises(ModelLoadError, match="no CPU backend.*--upgrade"):
         load_model(None, "causal_lm", quantize="4bit", device="cpu")
+
+
+@pytest.mark.slow
+def test_prism_on_a_4bit_smollm2_trains_accounts_like_bf16_and_exports_an_adapter(tmp_path):
+    """prismdp train --quantize 4bit on the packaged SmolLM2-135M (PRISM, epsilon 8, a few steps): the loss on its
+    training examples falls from the start's (the adapter switched off is the quantized base itself: the start sits in
+    the LoRA branch), privacy.json equals the bfloat16 run's, and the rank-2r adapter loads with stock PEFT on the
+    4-bit base and reproduces the trained model."""
+    from prismdp.data.collate import pad_collate
+    from prismdp.models import default_causal_lm
+    from prismdp.train.loop import train
+    from prismdp.train.tasks import build_task_data
+
+    try:
+        default_causal_lm()
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+    records = [{"instruction": f"Add {i} and {i + 1}.", "input": "", "output": f"The answer is {2 * i + 1}."}
+               for i in range(48)]
+    (tmp_path / "data.json").write_text(json.dumps(records))
+    common = dict(model=None, task="instruct", data=str(tmp_path / "data.json"), steps=3, batch_size=16,
+                  micro_batch_size=16, max_length=64, rank=4, alpha=8, lr=1e-2, epsilon=8.0, dropout=0.05,
+                  target_modules=["q_proj", "v_proj"])
+    quiet = {"log": lambda *a, **k: None}
+    cfg = TrainConfig(output=str(tmp_path / "q4"), quantize="4bit", **common)
+    res = train(cfg, **quiet)
+    model = res.model.eval()
+    assert all(quantized_base(p) == "4bit" for p in find_lora_pairs(model))
+    examples = build_task_data(cfg, res.tokenizer).train[:16]  # the run's own training examples (prompt + answer)
+    b = pad_collate([{"input_ids": f["input_ids"], "labels": f["labels"]} for f in examples],
+                    res.tokenizer.pad_token_id)
+
+    def loss():
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        return float(causal_lm_losses(logits, b["labels"]).mean())
+
+    with torch.no_grad():
+        after = loss()
+        with model.disable_adapter():
+            before = loss()
+        want = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+    assert after < before - 0.05, (before, after)
+    train(TrainConfig(output=str(tmp_path / "bf16"), dtype="bfloat16", **common), **quiet)
+    q4, bf16 = (json.loads((tmp_path / n / "privacy.json").read_text()) for n in ("q4", "bf16"))
+    assert q4 == bf16 and q4["private"] and q4["epsilon"] <= 8.0
+    base, _ = load_model(None, "causal_lm", quantize="4bit")
+    loaded = PeftModel.from_pretrained(base, tmp_path / "q4" / "adapter").eval()
+    with torch.no_grad():
+        got = loaded(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+    assert float((got - want).abs().max()) < 1e-3 * float(want.abs().max())
