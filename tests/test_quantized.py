@@ -271,3 +271,17 @@ def test_prism_on_a_4bit_smollm2_trains_accounts_like_bf16_and_exports_an_adapte
     with torch.no_grad():
         got = loaded(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
     assert float((got - want).abs().max()) < 1e-3 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("kind", ["4bit", "8bit"])
+def test_a_model_folder_is_quantized_while_loading_and_gets_peft_bnb_lora_layers(tiny_llama_dir, kind):
+    """load_model(folder, quantize=...) goes through transformers' BitsAndBytesConfig; PEFT then wraps the quantized
+    layers in its bitsandbytes LoRA layers, which find_lora_pairs accepts."""
+    import bitsandbytes as bnb
+
+    model, _ = load_model(tiny_llama_dir, "causal_lm", quantize=kind)
+    cls = bnb.nn.Linear4bit if kind == "4bit" else bnb.nn.Linear8bitLt
+    assert isinstance(model.model.layers[0].self_attn.q_proj, cls)
+    assert type(model.lm_head) is nn.Linear
+    pairs = find_lora_pairs(lora(model))
+    assert len(pairs) == 2 * 4 and all(quantized_base(p) == kind for p in pairs)
