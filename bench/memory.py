@@ -10,6 +10,7 @@ the interpreter and libraries (the "process" row), allocator slack and, on the C
 4-bit weight while it multiplies.
 
     PYTHONPATH=src python -m bench.memory [--steps 2] [--output bench/results/memory]
+    PYTHONPATH=src python -m bench.memory --one 4bit > rows.jsonl   # one configuration; then --rows rows.jsonl ...
 """
 
 from __future__ import annotations
@@ -107,13 +108,13 @@ def _markdown(rows: list[dict], ext: dict, coeff: dict, env: dict) -> str:
              "CPU peak resident set (VmHWM) over the steps: interpreter and libraries included.", "",
              "| config | RSS before load (MB) | RSS after build (MB) | peak RSS of the steps (MB) | frozen weights (MB) "
              "| vs float32 |", "|---|---|---|---|---|---|"]
-    ref = next(r["peak_step_rss_mb"] for r in rows if r["config"] == "float32")
+    ref = next((r["peak_step_rss_mb"] for r in rows if r["config"] == "float32"), float("nan"))
     for r in rows:
         lines.append(f"| {r['config']} | {r['rss_before_load_mb']:.0f} | {r['rss_after_build_mb']:.0f} | "
                      f"{r['peak_step_rss_mb']:.0f} | {r['frozen_weights_mb']:.0f} | "
                      f"{r['peak_step_rss_mb'] / ref:.2f} |")
     lines += ["", f"Activation coefficient measured here: {coeff['no_ckpt']:.1f} bytes per token, layer and hidden unit "
-              f"without checkpointing (bfloat16 run: (peak - after build) / (tokens x layers x hidden)); "
+              f"without checkpointing ({coeff['from']} run: (peak - after build - logits) / (tokens x layers x hidden)); "
               f"{coeff['ckpt']:.1f} with checkpointing.", "",
               "## Extrapolated (GB per GPU, one micro-batch of 8 x 512 tokens, r 16)", "",
               "total = frozen weights + activations + per-example LoRA state, with P parameters, E embedding and "
@@ -129,8 +130,9 @@ def _markdown(rows: list[dict], ext: dict, coeff: dict, env: dict) -> str:
     for e in ext:
         fits = []
         for card, cap in CARDS.items():
-            if "FSDP" in card:
-                fits.append("pending (FSDP, issue 27 item 2)")
+            if "FSDP" in card:  # frozen weights sharded 8 ways, the rest per GPU: an estimate until FSDP runs
+                per_gpu = e["total_gb"] - e["frozen_gb"] * 7 / 8
+                fits.append(f"pending FSDP (est. {per_gpu:.0f} GB/GPU: {'yes' if per_gpu <= 0.9 * 80 else 'no'})")
             else:
                 fits.append("yes" if e["total_gb"] <= 0.9 * cap else "no")
         lines.append(f"| {e['model']} | {e['weights']} | {'yes' if e['checkpointing'] else 'no'} | "
@@ -148,6 +150,8 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--output", default="bench/results/memory")
     p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--rows", nargs="+", help="files of rows printed by --one NAME (one JSON object a line) to tabulate "
+                                             "instead of measuring (configurations measured side by side)")
     args = p.parse_args(argv)
     if args.one:
         print(json.dumps(measure_one(args.one, args.steps)))
@@ -155,7 +159,9 @@ def main(argv=None) -> int:
     from bench.__main__ import _environment, _write
 
     rows = []
-    for name in args.configs.split(","):
+    for path in args.rows or ():
+        rows += [json.loads(line) for line in Path(path).read_text().splitlines() if line.startswith("{")]
+    for name in args.configs.split(",") if not args.rows else ():
         proc = subprocess.run([sys.executable, "-m", "bench.memory", "--one", name, "--steps", str(args.steps)],
                               capture_output=True, text=True, timeout=3600, start_new_session=True)
         if proc.returncode != 0:
@@ -167,12 +173,13 @@ def main(argv=None) -> int:
     tokens_layers = MICRO * LENGTH * smol["layers"] * smol["hidden"]
     by = {r["config"]: r for r in rows}
     logits = MICRO * LENGTH * smol["vocab"] * 4 * 2 / 2**20
-    c = (by["bfloat16"]["peak_step_rss_mb"] - by["bfloat16"]["rss_after_build_mb"] - logits) * 2**20 / tokens_layers
+    plain = by.get("bfloat16") or by["float32"]
+    c = (plain["peak_step_rss_mb"] - plain["rss_after_build_mb"] - logits) * 2**20 / tokens_layers
     key = "bfloat16 + checkpointing"
     ck = ((by[key]["peak_step_rss_mb"] - by[key]["rss_after_build_mb"] - logits) * 2**20
           - MICRO * LENGTH * smol["layers"] * smol["hidden"] * 2) / (MICRO * LENGTH * smol["hidden"]) \
         if key in by else c
-    coeff = {"no_ckpt": c, "ckpt": ck}
+    coeff = {"no_ckpt": c, "ckpt": ck, "from": plain["config"]}
     ext = []
     for model in ("Llama-3.1-8B", "Llama-3.1-70B"):
         for weights in ("bfloat16", "4bit"):
