@@ -103,8 +103,8 @@ def estimate(model: dict, weights: str, checkpointing: bool, act_per_token_layer
 
 def _markdown(rows: list[dict], ext: dict, coeff: dict, env: dict) -> str:
     lines = ["# Peak memory of a PRISM step", "",
-             f"{env['date']}, commit {env['commit']}, torch {env['torch']}, {env['machine']}. SmolLM2-135M "
-             f"(packaged GGUF), PRISM, LoRA r {RANK} on {'/'.join(TARGETS)}, micro-batch {MICRO} x {LENGTH} tokens. "
+             f"{env['date']}, commit {env['commit']}, torch {env['torch']}, {env['machine']}. "
+             f"SmolLM2-135M (packaged GGUF), PRISM, LoRA r {RANK} on {'/'.join(TARGETS)}, micro-batch {MICRO} x {LENGTH} tokens. "
              "CPU peak resident set (VmHWM) over the steps: interpreter and libraries included.", "",
              "| config | RSS before load (MB) | RSS after build (MB) | peak RSS of the steps (MB) | frozen weights (MB) "
              "| vs float32 |", "|---|---|---|---|---|---|"]
@@ -113,8 +113,9 @@ def _markdown(rows: list[dict], ext: dict, coeff: dict, env: dict) -> str:
         lines.append(f"| {r['config']} | {r['rss_before_load_mb']:.0f} | {r['rss_after_build_mb']:.0f} | "
                      f"{r['peak_step_rss_mb']:.0f} | {r['frozen_weights_mb']:.0f} | "
                      f"{r['peak_step_rss_mb'] / ref:.2f} |")
-    lines += ["", f"Activation coefficient measured here: {coeff['no_ckpt']:.1f} bytes per token, layer and hidden unit "
-              f"without checkpointing ({coeff['from']} run: (peak - after build - logits) / (tokens x layers x hidden)); "
+    lines += ["", f"Activation coefficient measured here: {coeff['no_ckpt']:.1f} bytes per token, layer and hidden "
+              f"unit without checkpointing ({coeff['from']} run: (peak - after build - logits) / (tokens x layers x "
+              "hidden)); "
               f"{coeff['ckpt']:.1f} with checkpointing.", "",
               "## Extrapolated (GB per GPU, one micro-batch of 8 x 512 tokens, r 16)", "",
               "total = frozen weights + activations + per-example LoRA state, with P parameters, E embedding and "
