@@ -105,7 +105,8 @@ def _markdown(rows: list[dict], ext: dict, coeff: dict, env: dict) -> str:
     lines = ["# Peak memory of a PRISM step", "",
              f"{env['date']}, commit {env['commit']}, torch {env['torch']}, {env['machine']}. "
              f"SmolLM2-135M (packaged GGUF), PRISM, LoRA r {RANK} on {'/'.join(TARGETS)}, "
-             f"micro-batch {MICRO} x {LENGTH} tokens. CPU peak resident set (VmHWM) over the steps: interpreter and libraries included.", "",
+             f"micro-batch {MICRO} x {LENGTH} tokens. CPU peak resident set (VmHWM) over the steps: interpreter "
+             "and libraries included.", "",
              "| config | RSS before load (MB) | RSS after build (MB) | peak RSS of the steps (MB) "
              "| frozen weights (MB) | vs float32 |", "|---|---|---|---|---|---|"]
     ref = next((r["peak_step_rss_mb"] for r in rows if r["config"] == "float32"), float("nan"))
