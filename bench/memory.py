@@ -170,7 +170,7 @@ def main(argv=None) -> int:
             print(proc.stderr[-3000:], file=sys.stderr)
             raise SystemExit(f"configuration {name!r} failed")
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        print(rows[-1], flush=True)
+        print(json.dumps(rows[-1]), flush=True)
     smol = MODELS["SmolLM2-135M"]
     tokens_layers = MICRO * LENGTH * smol["layers"] * smol["hidden"]
     by = {r["config"]: r for r in rows}
