@@ -101,7 +101,7 @@ def estimate(model: dict, weights: str, checkpointing: bool, act_per_token_layer
             "total_gb": gb(frozen + act + state)}
 
 
-def _markdown(rows: list[dict], ext: dict, coeff: dict, env: dict) -> str:
+def _markdown(rows: list[dict], ext: dict, coeff: dict, env: dict, key: str = "bfloat16 + checkpointing") -> str:
     lines = ["# Peak memory of a PRISM step", "",
              f"{env['date']}, commit {env['commit']}, torch {env['torch']}, {env['machine']}. "
              f"SmolLM2-135M (packaged GGUF), PRISM, LoRA r {RANK} on {'/'.join(TARGETS)}, "
@@ -116,8 +116,9 @@ def _markdown(rows: list[dict], ext: dict, coeff: dict, env: dict) -> str:
                      f"{r['peak_step_rss_mb'] / ref:.2f} |")
     lines += ["", f"Activation coefficient measured here: {coeff['no_ckpt']:.1f} bytes per token, layer and hidden "
               f"unit without checkpointing ({coeff['from']} run: (peak - after build - logits) / (tokens x layers x "
-              "hidden)); "
-              f"{coeff['ckpt']:.1f} with checkpointing.", "",
+              "hidden)); " +
+              (f"{coeff['ckpt']:.1f} with checkpointing ({key} run)." if coeff["ckpt_measured"] else
+               "no checkpointing run measured: the same c assumed for the recomputed block."), "",
               "## Extrapolated (GB per GPU, one micro-batch of 8 x 512 tokens, r 16)", "",
               "total = frozen weights + activations + per-example LoRA state, with P parameters, E embedding and "
               "output-layer parameters (kept 16-bit), L layers, hidden h, T tokens per micro-batch, V vocabulary:", "",
@@ -181,7 +182,7 @@ def main(argv=None) -> int:
     ck = ((by[key]["peak_step_rss_mb"] - by[key]["rss_after_build_mb"] - logits) * 2**20
           - MICRO * LENGTH * smol["layers"] * smol["hidden"] * 2) / (MICRO * LENGTH * smol["hidden"]) \
         if key in by else c
-    coeff = {"no_ckpt": c, "ckpt": ck, "from": plain["config"]}
+    coeff = {"no_ckpt": c, "ckpt": ck, "from": plain["config"], "ckpt_measured": key in by}
     ext = []
     for model in ("Llama-3.1-8B", "Llama-3.1-70B"):
         for weights in ("bfloat16", "4bit"):
