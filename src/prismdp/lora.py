@@ -17,6 +17,15 @@ q/k/v/up/down: the first-batch loss rises from 1.79 to 2.19 and PRISM's training
 For layers with LoRA dropout :func:`move_to_rank_r_start` therefore leaves ``W0`` in the base and lets the LoRA
 branch subtract ``Z0`` itself (:class:`StartDropoutCompensation`), so the layer computes ``W0 x + (Z - Z0) drop(x)``:
 ordinary LoRA dropout on the update, which is also what the exported rank-2r adapter computes on the original base.
+
+Quantized base (QLoRA: PEFT's bitsandbytes LoRA layers ``Linear4bit`` / ``Linear8bitLt``): the base weight is stored
+in 4 or 8 bits and must never be rewritten (``W0 - Z0`` re-quantized would change the model by a new quantization
+error, and the quantized storage has no room for the update).  The start is computed from the *de-quantized* ``W0``
+(what the layer actually multiplies by), one layer at a time, so the peak memory is one layer's float copy, never the
+model's; and ``Z0`` is always kept in the LoRA branch (:class:`StartDropoutCompensation`, with or without dropout):
+the layer computes ``Q(W0) x + (Z - Z0) drop(x)``, the same function as before the start.  The per-example taps sit
+on ``lora_A`` / ``lora_B`` (plain ``nn.Linear`` in every PEFT LoRA layer), whose input is the layer's input: the
+quantized weight never enters the per-example gradients.
 """
 
 from __future__ import annotations
@@ -42,6 +51,8 @@ __all__ = [
     "RankRStart",
     "StartDropoutCompensation",
     "move_to_rank_r_start",
+    "quantized_base",
+    "base_weight",
 ]
 
 
@@ -90,10 +101,23 @@ class LoraPair:
         return (self.lora_B.weight, self.lora_A.weight) if self.trains_A else (self.lora_B.weight,)
 
 
-def _lora_linear_cls():
+_BNB_LORA = ("Linear4bit", "Linear8bitLt")  # PEFT's LoRA layers on bitsandbytes' quantized Linear layers
+
+
+def _is_lora_linear(module: nn.Module) -> bool:
+    """PEFT's LoRA ``Linear``, or its bitsandbytes ``Linear4bit`` / ``Linear8bitLt`` (matched by class, without
+    importing bitsandbytes where no model uses it)."""
     from peft.tuners.lora.layer import Linear
 
-    return Linear
+    cls = type(module)
+    return isinstance(module, Linear) or (cls.__module__ == "peft.tuners.lora.bnb" and cls.__name__ in _BNB_LORA)
+
+
+def quantized_base(pair: LoraPair) -> str | None:
+    """``"4bit"`` / ``"8bit"`` where the pair's base layer holds a bitsandbytes-quantized weight, else None."""
+    from peft.utils.integrations import get_bnb_param_type
+
+    return get_bnb_param_type(pair.layer.get_base_layer().weight) or None
 
 
 def freeze_lora_A(model: nn.Module, adapter: str = "default") -> None:
@@ -120,12 +144,11 @@ def find_lora_pairs(model: nn.Module, adapter: str = "default", trainable: str =
     if trainable not in ("both", "B"):
         raise ValueError(f"trainable must be 'both' or 'B', got {trainable!r}")
 
-    linear_cls = _lora_linear_cls()
     pairs: list[LoraPair] = []
     for name, module in model.named_modules():
         if not isinstance(module, LoraLayer) or adapter not in getattr(module, "r", {}):
             continue
-        if not isinstance(module, linear_cls):
+        if not _is_lora_linear(module):
             raise LoraSetupError(
                 f"LoRA module {name!r} is a {type(module).__name__}; prismdp supports LoRA on Linear layers only. "
                 "Fix: restrict target_modules to linear projections (e.g. q_proj, v_proj)."
@@ -195,6 +218,35 @@ def set_factors(pair: LoraPair, A: Tensor, B: Tensor) -> None:
 def _base_weight(pair: LoraPair) -> tuple[Tensor, bool]:
     base = pair.layer.get_base_layer()
     return base.weight, bool(getattr(pair.layer, "fan_in_fan_out", False))
+
+
+def base_weight(pair: LoraPair, dtype: torch.dtype = torch.float64) -> Tensor:
+    """The pair's frozen ``W0`` (m, n) in ``dtype``: a quantized weight de-quantized (by
+    bitsandbytes' own de-quantization: what the layer multiplies by), a sharded one gathered; one layer only."""
+    kind = quantized_base(pair)
+    if kind:
+        return _dequantized(pair.layer.get_base_layer(), kind).to(dtype)
+    weight, transposed = _base_weight(pair)
+    weight = full_weight(weight)  # a sharded base (FSDP): this layer gathered whole, on every rank
+    return (weight.T if transposed else weight).to(dtype)
+
+
+def _dequantized(base: nn.Module, kind: str) -> Tensor:
+    """bitsandbytes' own de-quantization of a ``Linear4bit`` / ``Linear8bitLt`` weight (m, n), leaving the layer as it
+    is (PEFT's ``dequantize_module_weight`` re-assigns an 8-bit weight and loses its scales on CPU)."""
+    import bitsandbytes.functional as bnb_f
+
+    w = base.weight
+    if kind == "4bit":
+        return bnb_f.dequantize_4bit(w.data, w.quant_state)
+    scb = w.SCB if getattr(w, "SCB", None) is not None else base.state.SCB  # moved to the state by the first forward
+    return bnb_f.int8_vectorwise_dequant(w.data, scb)
+
+
+def _start_in_branch(pair: LoraPair) -> bool:
+    """Whether the LoRA branch subtracts ``Z0`` (LoRA dropout, or a quantized base that must not be rewritten)
+    rather than the base weight."""
+    return _dropout_active(pair) or quantized_base(pair) is not None
 
 
 def _dropout_active(pair: LoraPair) -> bool:
@@ -336,7 +388,8 @@ class _DeltaMinusStart:
 
 
 class StartDropoutCompensation:
-    """Keeps LoRA dropout off ``Z0`` (see the module docstring) for the started pairs whose dropout is active: their
+    """Keeps LoRA dropout off ``Z0`` (see the module docstring) for the started pairs whose dropout is active, and
+    keeps ``Z0`` out of a quantized base weight (with or without dropout): their
     base weight keeps ``W0`` and their LoRA branch computes ``(Z - Z0) drop(x)`` itself, so the layer is
     ``W0 x + (Z - Z0) drop(x)`` in train mode and ``(W0 + Z - Z0) x`` in eval mode, exactly (no separate
     ``Z0 (x - drop(x))`` term).  ``lora_A`` and ``lora_B`` of such a pair become :class:`_StartedLoraA` and
@@ -361,7 +414,7 @@ class StartDropoutCompensation:
     def __init__(self, pairs: list[LoraPair], factors: list[tuple[Tensor, Tensor]]):
         self.pairs: list[LoraPair] = []
         for pair, (a0, b0) in zip(pairs, factors):
-            if _dropout_active(pair):
+            if _start_in_branch(pair):
                 self._attach(pair, a0, b0)
                 self.pairs.append(pair)
 
@@ -387,7 +440,13 @@ class StartDropoutCompensation:
     @torch.no_grad()
     def remove(self) -> None:
         """Back to plain PEFT LoRA on a base holding ``W0 - Z0``: the same model in eval mode, but in train mode the
-        dropout then also hits ``Z0 x`` (the ablation ``prism-no-dropout-comp`` of the benchmarks)."""
+        dropout then also hits ``Z0 x`` (the ablation ``prism-no-dropout-comp`` of the benchmarks).  Refused for a
+        quantized base, whose weight cannot take ``W0 - Z0``."""
+        quantized = [pair.name for pair in self.pairs if quantized_base(pair)]
+        if quantized:
+            raise LoraSetupError(f"LoRA modules {quantized[:3]} sit on a quantized base weight, which cannot hold "
+                                 "W0 - Z0: the rank-r start stays in their LoRA branch. Fix: run this ablation on an "
+                                 "unquantized base (no --quantize)")
         for pair in self.pairs:
             lora_A, lora_B = pair.lora_A, pair.lora_B
             z0 = _start_update(pair, torch.float64)
@@ -437,16 +496,16 @@ def move_to_rank_r_start(
     without LoRA dropout from the base weight (``W0 <- W0 - Z0``, so ``W0 + Z`` is unchanged at step 0 up to float
     rounding of the subtraction); with LoRA dropout from the LoRA branch, which then computes ``(Z - Z0) drop(x)``
     on the unchanged ``W0`` (:class:`StartDropoutCompensation`, ``RankRStart.dropout_compensation``), so that in
-    train mode too the model computes ``W0 x + (Z - Z0) drop(x)``.
+    train mode too the model computes ``W0 x + (Z - Z0) drop(x)``.  A quantized base weight is never rewritten:
+    ``Z0`` is computed from the de-quantized ``W0`` (one layer at a time) and subtracted by the LoRA branch, dropout
+    or not.
     """
     if init not in ("spectral", "random"):
         raise ValueError(f"init must be 'spectral' or 'random', got {init!r}")
     factors, exact = [], []  # float32 for the record, float64 for the compensated branches
     for pair in pairs:
         m, n, r = pair.shape
-        weight, transposed = _base_weight(pair)
-        W0 = full_weight(weight)  # one layer gathered whole at a time when the base is sharded (FSDP)
-        W0 = (W0.T if transposed else W0).to(torch.float64)
+        W0 = base_weight(pair)  # float64, de-quantized or gathered (FSDP): one layer's copy, freed each iteration
         U, S, V = _top_svd(W0, r)
         if init == "spectral":
             A0, B0 = U * S.sqrt(), V * S.sqrt()
@@ -461,11 +520,13 @@ def move_to_rank_r_start(
                 "initialisation. Fix: create the adapter with init_lora_weights=True (the default), or merge the "
                 "existing adapter into the base model first (model.merge_and_unload())."
             )
-        if not _dropout_active(pair):  # with dropout, W0 stays and the LoRA branch subtracts Z0 (see above)
+        if not _start_in_branch(pair):  # with dropout or a quantized W0, the LoRA branch subtracts Z0 (see above)
+            weight, transposed = _base_weight(pair)
             new_W0 = W0 - A0 @ B0.T
             assign_weight(weight, new_W0.T if transposed else new_W0)
         A0, B0 = geometry.balance(A0, B0)
         set_factors(pair, A0.to(pair.lora_B.weight.dtype), B0.to(pair.lora_A.weight.dtype))
         factors.append((A0.float(), (B0.float())))
         exact.append((A0, B0))
+        del W0, U, S, V
     return RankRStart(factors, StartDropoutCompensation(pairs, exact))

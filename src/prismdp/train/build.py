@@ -112,6 +112,10 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
     check_method(cfg.method)
     if cfg.fsdp:
         check_world(world)
+        if cfg.quantize:
+            raise ConfigError("--fsdp with --quantize: FSDP shards float weights, not bitsandbytes' packed ones. Fix: "
+                              "either shard a bf16 base across the processes (--fsdp --dtype bfloat16) or quantize it "
+                              "in each process (--quantize without --fsdp)")
     lr = cfg.lr if cfg.lr is not None else default_lr(cfg)
     torch.manual_seed(cfg.seed)  # the same initial model on every rank (seeds every CUDA device too)
     device = cfg.torch_device(world)
@@ -129,7 +133,7 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
         check_targets(skeleton, cfg.target_modules or default_targets(skeleton))
         del skeleton
     model, tokenizer = load_model(cfg.model, task_type, num_labels, dtype=cfg.torch_dtype(), pooling=cfg.pooling,
-                                  tokenizer=tokenizer)
+                                  tokenizer=tokenizer, quantize=cfg.quantize, device=device if cfg.quantize else None)
     check_lengths(model, data)
     for key, count in data.notes.items():
         if ("truncated" in key or "masked" in key) and count:
@@ -140,7 +144,8 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
     for name, reason in data.gen_eval_missing.items():
         log(f"[prismdp] eval set {name} is missing (reported in summary.json): {reason}")
     model, targets, exclude = build_lora_model(cfg, model, task_type)
-    model = model.to(device)
+    if not cfg.quantize:  # a quantized base is loaded on its device (bitsandbytes quantizes it there)
+        model = model.to(device)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if cfg.fsdp:  # before make_private: its rank-r start then gathers W0 one layer at a time

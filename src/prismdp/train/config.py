@@ -58,6 +58,9 @@ class TrainConfig:
     dtype: str = _opt("float32", "dtype of the frozen base model; the LoRA factors, a new head, per-example "
                                  "gradients, clipping, noise and the optimizer stay float32",
                       choices=("float32", "bfloat16", "float16"))
+    quantize: str | None = _opt(None, "hold the frozen base in bitsandbytes' 4 bits (NF4, QLoRA) or 8 bits (LLM.int8), "
+                                      "computing in --dtype; the LoRA factors and the whole mechanism stay float32 "
+                                      "(needs bitsandbytes)", choices=("4bit", "8bit"))
     gradient_checkpointing: bool = _opt(False, "recompute each transformer block in the backward pass (less memory, "
                                                "about one more forward of compute; per-example gradients exact)")
     fsdp: bool = _opt(False, "under torchrun: shard the frozen base model across the processes with FSDP2 (each "
@@ -160,6 +163,8 @@ class TrainConfig:
                               f"or cpu, or install a CUDA build of torch")
             if dev.type == "mps" and not torch.backends.mps.is_available():
                 bad("device", "mps is not available here; use device: auto or cpu")
+        if self.quantize not in (None, "4bit", "8bit"):
+            bad("quantize", f"must be 4bit, 8bit or null (an unquantized base), got {self.quantize!r}")
         if self.pooling not in ("model", "mean"):
             bad("pooling", f"must be 'model' (the checkpoint's own classification head) or 'mean' (a new head on "
                            f"the masked mean of the last hidden states), got {self.pooling!r}")
