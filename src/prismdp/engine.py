@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from .distributed import World, current_world, shard_seed
 from .grad_sample import GradSampler, float32_trainables
-from .lora import LoraPair, RankRStart, find_lora_pairs, freeze_lora_A, move_to_rank_r_start
+from .lora import LoraPair, RankRStart, find_lora_pairs, freeze_lora_A, keep_canonical_layout, move_to_rank_r_start
 from .optim import PRISM, dp_adamw, dp_ffa, dp_lamb, dp_lora_plus, dp_lora_rite
 from .privacy import BudgetExhaustedError, PoissonSampler, PrivacyBudget, calibrate_sigma, check_delta, epsilon
 from .privacy.accounting import vacuous_delta_error
@@ -384,6 +384,8 @@ def make_private(
     if spec.prepare is not None:
         spec.prepare(model, adapter)
     pairs = find_lora_pairs(model, adapter, trainable=spec.trainable)
+    for pair in pairs:  # a quantized base: evaluations compute what training does
+        keep_canonical_layout(pair.layer.get_base_layer())
     float32_trainables(model, pairs)  # a bf16/fp16 base model: the trained tensors stay float32
     grad_sampler = GradSampler(model, pairs)  # refuses trainable parameters it cannot cover
     q = batch_size / dataset_size

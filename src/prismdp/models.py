@@ -267,7 +267,11 @@ def _quantized_linear(linear: torch.nn.Linear, quantize: str, dtype: torch.dtype
         new.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False)
     if bias is not None:
         new.bias = torch.nn.Parameter(bias.data, requires_grad=False)
-    return new.to(device)  # bitsandbytes quantizes the weight when it is moved to its device
+    from .lora import keep_canonical_layout
+
+    new = new.to(device)  # bitsandbytes quantizes the weight when it is moved to its device
+    keep_canonical_layout(new)
+    return new
 
 
 def quantize_linear_layers(model, quantize: str, skip=()) -> list[str]:
@@ -371,6 +375,11 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
             quantize_linear_layers(base, quantize)
             if device is not None:
                 model.to(device)
+    if quantize is not None:
+        from .lora import keep_canonical_layout
+
+        for module in model.modules():  # evaluations compute what training does (see keep_canonical_layout)
+            keep_canonical_layout(module)
     _ensure_pad(model, tokenizer, task_type, what)
     model.eval()
     return model, tokenizer
