@@ -133,17 +133,20 @@ def _markdown(rows: list[dict], ext: dict, coeff: dict, env: dict, key: str = "b
     for e in ext:
         fits = []
         for card, cap in CARDS.items():
-            if "FSDP" in card:  # frozen weights sharded 8 ways, the rest per GPU: an estimate until FSDP runs
+            if "FSDP" in card and e["weights"] == "4bit":
+                fits.append("refused (--fsdp shards a bf16 base, not a quantized one)")
+            elif "FSDP" in card:  # frozen weights sharded 8 ways, the rest per GPU
                 per_gpu = e["total_gb"] - e["frozen_gb"] * 7 / 8
-                fits.append(f"pending FSDP (est. {per_gpu:.0f} GB/GPU: {'yes' if per_gpu <= 0.9 * 80 else 'no'})")
+                fits.append(f"{'yes' if per_gpu <= 0.9 * 80 else 'no'} ({per_gpu:.0f} GB/GPU)")
             else:
                 fits.append("yes" if e["total_gb"] <= 0.9 * cap else "no")
         lines.append(f"| {e['model']} | {e['weights']} | {'yes' if e['checkpointing'] else 'no'} | "
                      f"{e['frozen_gb']:.1f} | {e['activations_gb']:.1f} | {e['lora_state_gb']:.2f} | "
                      f"{e['total_gb']:.1f} | {' | '.join(fits)} |")
     lines += ["", "A card fits when the total is at most 90 % of it (allocator fragmentation, CUDA context). "
-              "With FSDP the frozen weights divide by 8 and the rest stays per GPU; that column is pending until "
-              "the FSDP path exists."]
+              "With FSDP (--fsdp) the frozen weights divide by 8 and the rest stays per GPU (the FSDP column is this "
+              "formula: FSDP ran on CPU/gloo here, never on GPUs); each process still loads the whole model into "
+              "host memory before sharding it (70B in bf16: 141 GB of host memory per process)."]
     return "\n".join(lines) + "\n"
 
 

@@ -395,4 +395,8 @@ def enable_gradient_checkpointing(model) -> None:
     if hf is None or not getattr(hf, "supports_gradient_checkpointing", False):
         raise ModelLoadError(f"{type(hf or model).__name__} does not support gradient checkpointing in transformers; "
                              "train without --gradient-checkpointing")
-    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable = getattr(hf, "activation_checkpointing_enable", None)  # transformers >= 5.2x; the older name is deprecated
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
