@@ -682,6 +682,12 @@ def test_budget_curves_pair_each_seed_at_each_step_budget(tmp_path):
     assert "| SST-2 | ε=3 | 320 | 0.773 ± 0.001 | 0.803 ± 0.001 | -0.030 | 0/2 |" in md
     assert "| SST-2 | ε=6 | 320 | 0.873 ± 0.001 | 0.903 ± 0.001 | -0.030 | 0/2 |" in md
     assert "| CoLA |" not in md.split("## Step budget")[1]
+    # pooled over tasks per privacy level (sst2, sst2-x4 and cola: 4 wins, 2 losses) and per budget (the 80-step
+    # tasks sst2 and cola: 8 wins of 8, p = 2 / 2^8; 320 steps: 4 losses of 4, p = 2 / 2^4)
+    by = md.split("## Pooled by privacy level and by step budget")[1].split("\n## ")[0]
+    assert "| AdamW | ε=3 | sst2, sst2-x4, cola | 6 | 4 | 2 | +0.010 | 0.688 |" in by
+    assert "| AdamW | 1x steps (ε=3 + ε=6) | sst2, cola | 8 | 8 | 0 | +0.030 | 0.008 |" in by
+    assert "| AdamW | 4x steps (ε=3 + ε=6) | sst2-x4 | 4 | 0 | 4 | -0.030 | 0.125 |" in by
     assert (tmp_path / "budget.png").stat().st_size > 1000
     points = budget_points(exp, cells, [r for r in (read_cell(c) for c in cells) if r is not None])
     assert {(p.setting_key, p.method, p.steps) for p in points} == {

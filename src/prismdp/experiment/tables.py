@@ -30,7 +30,8 @@ from .figure import have_matplotlib, save_paired_figure
 from .grid import Cell, Experiment, Setting
 
 __all__ = ["CellResult", "Pair", "paired_differences", "read_cell", "result_rows", "write_csv", "build_table",
-           "render_markdown", "render_latex", "render_pooled", "render_privacy_cost", "write_results", "COLUMN_LABELS",
+           "render_markdown", "render_latex", "render_pooled", "render_pooled_by", "render_privacy_cost",
+           "write_results", "COLUMN_LABELS",
            "CSV_FIELDS"]
 
 CSV_FIELDS = ["cell_id", "task_id", "task", "method", "method_label", "setting", "dp", "epsilon_target", "seed",
@@ -465,6 +466,51 @@ def render_pooled(exp: Experiment, pairs: Sequence[Pair]) -> str:
     return "\n".join(lines) + "\n" if rows else ""
 
 
+def step_multiple(exp: Experiment, name: str) -> int:
+    """A pair's step budget as a multiple of the smallest budget its task is trained at in the grid (``sst2`` at
+    80 steps and ``sst2-x4`` at 320: 1 and 4); 1 where the grid does not set the steps."""
+    tid = name.split(":")[0]
+    task = exp.tasks[tid].get("task", tid)
+    steps = exp.tasks[tid].get("steps")
+    same = [t.get("steps") for i, t in exp.tasks.items() if t.get("task", i) == task and t.get("steps")]
+    return max(1, round(steps / min(same))) if steps and same else 1
+
+
+def render_pooled_by(exp: Experiment, pairs: Sequence[Pair]) -> str:
+    """The private paired differences of each method pooled over tasks, once per privacy level and once per step
+    budget (as a multiple of each task's smallest), with the exact two-sided sign test (ties dropped); only where the
+    grid has two or more levels or budgets.  The same caveats as the pooled table (pairs taken as independent, no
+    correction for the several groups)."""
+    from scipy.stats import binomtest
+
+    private = [p for p in pairs if p.setting.dp]
+    levels = list(dict.fromkeys(p.setting.label for p in private))
+    budgets = sorted({step_multiple(exp, p.name) for p in private})
+    if len(levels) < 2 and len(budgets) < 2:
+        return ""
+    ours = exp.label(exp.compare)
+    lines = ["", f"## Pooled by privacy level and by step budget: {ours} minus each method", "",
+             "The private pairs of the paired table, pooled over tasks within each privacy level and within each step "
+             "budget (a multiple of the task's smallest budget in the grid); sign test as above.", "",
+             "| vs | group | tasks | pairs | wins | losses | Δ mean | sign test p |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    groups = [(label, lambda p, label=label: p.setting.label == label) for label in levels if len(levels) > 1]
+    groups += [(f"{b}x steps ({' + '.join(levels)})", lambda p, b=b: step_multiple(exp, p.name) == b)
+               for b in budgets if len(budgets) > 1]
+    for method in exp.methods:
+        for label, keep in groups:
+            ps = [p for p in private if p.method == method and keep(p)]
+            diffs = [x for p in ps for x in p.diffs]
+            if not diffs:
+                continue
+            wins, losses = sum(x > 0 for x in diffs), sum(x < 0 for x in diffs)
+            pval = binomtest(wins, wins + losses, 0.5).pvalue if wins + losses else float("nan")
+            tasks = ", ".join(dict.fromkeys(p.name for p in ps))
+            lines.append(f"| {exp.label(method)} | {label} | {tasks} | {len(diffs)} | {wins} | {losses} | "
+                         f"{statistics.fmean(diffs):+.3f} | {pval:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 def render_privacy_cost(t: Table) -> str:
     """What privacy costs each method: its non-DP mean minus its mean at each privacy level, per task column (the
     means of the main table).  Not paired by seed: each setting has its own tuned rate and, for DP, its own noise."""
@@ -506,6 +552,7 @@ def write_results(exp: Experiment, cells: Sequence[Cell], out_dir: Path,
     table = build_table(exp, cells, results, failures)
     pairs = paired_differences(exp, cells, results)
     md = render_markdown(table) + render_paired(exp, pairs) + render_pooled(exp, pairs)
+    md += render_pooled_by(exp, pairs)
     md += render_privacy_cost(table)
     budget = budget_points(exp, cells, results)
     md += render_budget(exp, budget)
