@@ -29,12 +29,12 @@ phase() {  # phase NAME ARGS...: two processes on the selected cells, wait for b
 }
 
 phase sst2-x4-eps3 --tasks sst2-x4 --privacy 3
-# Does MiniLM learn the new tasks within the budget? Non-private tuning runs of DP-AdamW (seed 42, four rates).
-phase new-nondp-check --tasks cola,mrpc,rte --privacy non-dp --methods dp-adamw --seeds 42
-phase sst2-x4-eps6 --tasks sst2-x4 --privacy 6
 phase sst2-eps1-8 --tasks sst2 --privacy 1,8
 phase mnli-x4-eps3 --tasks mnli-x4 --privacy 3
+# Does MiniLM learn the new tasks within the budget? Non-private tuning runs of DP-AdamW (seed 42, four rates).
+phase new-nondp-check --tasks cola,mrpc,rte --privacy non-dp --methods dp-adamw --seeds 42
 phase qqp-x4-eps3 --tasks qqp-x4 --privacy 3
+phase sst2-x4-eps6 --tasks sst2-x4 --privacy 6
 phase x4-eps6 --tasks mnli-x4,qqp-x4 --privacy 6
 "$PRISMDP" experiment "$CONFIG" --output "$OUT" --results-from "$ARCHIVE" --tables-only > "$OUT/logs/tables.log" 2>&1
 echo "$(date -u +%FT%TZ) done (the new tasks' private phases are added once the non-DP check says which learn)" \
