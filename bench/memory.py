@@ -145,8 +145,9 @@ def _markdown(rows: list[dict], ext: dict, coeff: dict, env: dict, key: str = "b
                      f"{e['total_gb']:.1f} | {' | '.join(fits)} |")
     lines += ["", "A card fits when the total is at most 90 % of it (allocator fragmentation, CUDA context). "
               "With FSDP (--fsdp) the frozen weights divide by 8 and the rest stays per GPU (the FSDP column is this "
-              "formula: FSDP ran on CPU/gloo here, never on GPUs); each process still loads the whole model into "
-              "host memory before sharding it (70B in bf16: 141 GB of host memory per process)."]
+              "formula: FSDP ran on CPU/gloo here, never on GPUs); `prismdp train --fsdp` reads the whole model "
+              "into rank 0's host memory alone (70B in bf16: 141 GB), the other processes receive their shards from "
+              "it."]
     return "\n".join(lines) + "\n"
 
 

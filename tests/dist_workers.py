@@ -267,3 +267,33 @@ def fsdp_dies_after(rank: int, world_size: int, init_file: str, out: str, step: 
         Path(out + f".done{rank}").write_text("finished")
     except Exception as e:  # noqa: BLE001
         Path(out + f".err{rank}").write_text(json.dumps({"type": type(e).__name__, "msg": str(e)}))
+
+
+def fsdp_build(rank: int, world_size: int, init_file: str, out: str, cfg: dict) -> None:
+    """``build_run`` of ``cfg`` (fsdp on) counting the weight reads (``from_pretrained``) of this rank; saves its
+    count, the model's full tensors (gathered), its buffers and the random state after the build."""
+    try:
+        from transformers import modeling_utils
+
+        from prismdp.sharding import full_weight
+        from prismdp.train.build import build_run
+        from prismdp.train.config import TrainConfig
+
+        reads = []
+        real = modeling_utils.PreTrainedModel.from_pretrained.__func__
+
+        def counting(cls, *a, **k):
+            reads.append(cls.__name__)
+            return real(cls, *a, **k)
+
+        modeling_utils.PreTrainedModel.from_pretrained = classmethod(counting)
+        world = _init(rank, world_size, init_file)
+        run = build_run(TrainConfig(**cfg), world=world, log=lambda *a: None)
+        state = {k: full_weight(v).detach().clone() for k, v in run.model.state_dict().items()}
+        buffers = {k: v.detach().clone() for k, v in run.model.named_buffers()}
+        torch.save({"reads": reads, "state": state, "buffers": buffers, "rng": torch.get_rng_state()},
+                   out + f".{rank}")
+        _close()
+    except Exception:  # noqa: BLE001
+        Path(out + f".err{rank}").write_text(traceback.format_exc())
+        raise

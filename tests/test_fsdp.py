@@ -50,6 +50,37 @@ def test_a_killed_rank_gives_the_clear_error_inside_a_sharded_forward(tmp_path):
     assert "sharded model" in err["msg"]
 
 
+def test_fsdp_reads_the_weights_on_rank_0_alone_and_every_rank_gets_the_one_process_model(tiny_llama_dir, tmp_path):
+    """prismdp train --fsdp (build_run): rank 1 builds the model on the meta device and never reads the weights
+    (from_pretrained called on rank 0 alone); after the build every rank holds the model the one-process build gives
+    (LoRA factors after the rank-r start, the frozen weights gathered, the buffers), and building the meta model drew
+    no random number on rank 0 (its random state is the one-process build's)."""
+    from prismdp.train.build import build_run
+    from prismdp.train.config import TrainConfig
+
+    cfg = dict(model=tiny_llama_dir, task="instruct", data=str(_math_file(tmp_path / "data")), steps=4,
+               batch_size=8, micro_batch_size=2, rank=2, alpha=2, max_length=48, lr=1e-2, delta=1e-3, seed=3,
+               output=str(tmp_path / "run"))
+    one = build_run(TrainConfig(**cfg), log=lambda *a: None)
+    want_state = {k: v.detach() for k, v in one.model.state_dict().items()}
+    want_buffers = dict(one.model.named_buffers())
+    want_rng = torch.get_rng_state()
+    out = tmp_path / "two"
+    codes = _spawn(dist_workers.fsdp_build, 2, tmp_path, str(out), {**cfg, "fsdp": True})
+    errs = sorted(tmp_path.glob("two.err*"))
+    assert codes == [0, 0], errs[0].read_text() if errs else codes
+    for rank in (0, 1):
+        got = torch.load(f"{out}.{rank}")
+        assert got["reads"] == (["LlamaForCausalLM"] if rank == 0 else []), (rank, got["reads"])
+        assert got["state"].keys() == want_state.keys()
+        for k, v in want_state.items():
+            torch.testing.assert_close(got["state"][k], v, rtol=0, atol=1e-6, msg=f"rank {rank}: {k}")
+        assert got["buffers"].keys() == want_buffers.keys()
+        for k, v in want_buffers.items():
+            assert torch.equal(got["buffers"][k], v), (rank, k)
+    assert torch.equal(torch.load(f"{out}.0")["rng"], want_rng)  # (make_private then reseeds each rank's own)
+
+
 def _math_file(folder):
     """A tiny LLM-Adapters training file and a GSM8K-style test set beside it (the generation eval runs too)."""
     folder.mkdir(parents=True, exist_ok=True)

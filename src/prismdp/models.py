@@ -296,9 +296,21 @@ def quantize_linear_layers(model, quantize: str, skip=()) -> list[str]:
     return replaced
 
 
+def _on_meta(auto, source, kwargs: dict):
+    """``auto.from_pretrained(source, **kwargs)``'s model built on the meta device from its configuration alone."""
+    from transformers import AutoConfig
+
+    kwargs = dict(kwargs)
+    dtype = kwargs.pop("dtype")
+    kwargs.pop("ignore_mismatched_sizes", None)
+    config = AutoConfig.from_pretrained(source, **kwargs)
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        return auto.from_config(config, dtype=dtype)
+
+
 def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_labels: Optional[int] = None,
                dtype: torch.dtype = torch.float32, pooling: str = "model", tokenizer=None,
-               quantize: Optional[str] = None, device: Union[str, torch.device, None] = None):
+               quantize: Optional[str] = None, device: Union[str, torch.device, None] = None, meta: bool = False):
     """Load ``(model, tokenizer)`` for ``task_type`` ``"seq_cls"`` or ``"causal_lm"``; the model is in eval mode.
 
     ``seq_cls`` uses ``AutoModelForSequenceClassification``: ``num_labels`` sets a new head (``1`` = regression,
@@ -307,7 +319,9 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
     with ``num_labels`` only) loads the bare encoder (``AutoModel``) under a new masked-mean-pooling head
     (:class:`prismdp.heads.MeanPoolingClassifier`) instead of the checkpoint's own head.  ``tokenizer``: one already
     loaded by :func:`load_tokenizer` (not loaded again).  ``quantize`` ``"4bit"`` / ``"8bit"``: the base in
-    bitsandbytes' NF4 / int8 (compute dtype ``dtype``), loaded on ``device`` (default cpu).
+    bitsandbytes' NF4 / int8 (compute dtype ``dtype``), loaded on ``device`` (default cpu).  ``meta=True``: the same
+    model built on the meta device from its configuration, no weight read and no random number drawn (the processes
+    of a sharded run other than rank 0, which receive their shards from it: :func:`prismdp.sharding.fill_from_rank0`).
     """
     from .heads import POOLINGS, MeanPoolingClassifier
 
@@ -320,6 +334,8 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
                          "num_labels; causal LMs keep their language-model head (use pooling='model')")
     if quantize is not None and quantize not in QUANTIZE:
         raise ValueError(f"quantize must be one of {QUANTIZE} or None, got {quantize!r}")
+    if quantize is not None and meta:
+        raise ValueError("meta=True builds an unquantized skeleton; quantize must be None")
     if quantize is not None:
         _bitsandbytes(device)  # the clear error before anything is loaded
     kwargs = {"dtype": dtype}
@@ -350,7 +366,10 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
     try:
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
-        model = auto.from_pretrained(source, **kwargs)
+        if meta:
+            model = _on_meta(auto, source, kwargs)
+        else:
+            model = auto.from_pretrained(source, **kwargs)
     except ImportError as e:
         if gguf_file is not None and "gguf" in str(e).lower():
             raise ModelLoadError(f"loading {what} needs the gguf package: pip install gguf ({e})") from e
@@ -364,7 +383,11 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
     if pooling == "mean":
         for k, v in labels.items():
             setattr(model.config, k, v)
-        model = MeanPoolingClassifier(model, labels["num_labels"])
+        if meta:
+            with torch.random.fork_rng(devices=[]), torch.device("meta"):
+                model = MeanPoolingClassifier(model, labels["num_labels"])
+        else:
+            model = MeanPoolingClassifier(model, labels["num_labels"])
 
     if gguf_file is not None:  # de-quantised to ordinary float weights on load: not a quantised model any more
         base = model.encoder if pooling == "mean" else model

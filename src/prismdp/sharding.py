@@ -15,7 +15,10 @@ What changes for the rest of the run:
   gradient is discarded;
 * the frozen weight ``W0`` of a LoRA layer is a ``DTensor``: the rank-r start reads it whole one layer at a time
   (:func:`full_weight`) and writes back only each rank's shard (:func:`assign_weight`);
-* evaluation runs on every rank (the forward is a collective); rank 0 alone writes the files.
+* evaluation runs on every rank (the forward is a collective); rank 0 alone writes the files;
+* ``prismdp train --fsdp`` reads the weights on rank 0 alone: the other ranks build the model on the meta device,
+  and after sharding every rank receives its shards from rank 0 (:func:`fill_from_rank0`), so host memory holds one
+  whole model (rank 0's), not one per process.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from typing import Iterable
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ShardingError", "check_world", "shard_frozen_base", "is_sharded", "full_weight", "assign_weight", "block_classes"]
+__all__ = ["ShardingError", "check_world", "shard_frozen_base", "fill_from_rank0", "is_sharded", "full_weight",
+           "assign_weight", "block_classes"]
 
 
 class ShardingError(ValueError):
@@ -104,3 +108,26 @@ def shard_frozen_base(model: nn.Module, world, blocks: Iterable[str] | None = No
     fully_shard(root, mesh=mesh, ignored_params={p for p in root.parameters() if p in trained})
     sharded.append(root)
     return sharded
+
+
+def fill_from_rank0(model: nn.Module, world, whole: nn.Module | None) -> None:
+    """Give a sharded ``model`` its values from rank 0, where ``whole`` is the same model (LoRA on it) loaded whole
+    into host memory (None on the other ranks, whose model was built on the meta device, like ``model`` on rank 0).
+    Every rank's model is first materialised on ``world.device`` (shards only); then FSDP's broadcast from rank 0
+    fills the parameters (each rank keeps its shard, the replicated LoRA tensors whole) and the buffers (rotary
+    frequencies and the like, which a state dict may leave out) are broadcast: every rank then holds what it would
+    had it loaded the model itself.  A collective: every rank calls it."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if (world.rank == 0) != (whole is not None):
+        raise ShardingError("fill_from_rank0: rank 0 passes the model it loaded, the other ranks None")
+    model.to_empty(device=world.device)
+    set_model_state_dict(model, whole.state_dict() if whole is not None else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    source = dict(whole.named_buffers()) if whole is not None else {}
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if whole is not None:
+                buffer.copy_(source[name])
+            dist.broadcast(buffer, 0)

@@ -14,7 +14,7 @@ from ..distributed import World
 from ..engine import METHODS, PrivateLoRA, make_private
 from ..models import enable_gradient_checkpointing, load_model, load_tokenizer, model_skeleton
 from ..privacy import check_delta
-from ..sharding import check_world, shard_frozen_base
+from ..sharding import check_world, fill_from_rank0, shard_frozen_base
 from .config import ConfigError, TrainConfig
 from .tasks import TaskData, build_task_data, default_targets, lora_exclude_modules, task_head
 
@@ -132,8 +132,10 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
     if skeleton is not None:
         check_targets(skeleton, cfg.target_modules or default_targets(skeleton))
         del skeleton
+    # --fsdp: every rank builds the model on the meta device; rank 0 alone reads the weights (below)
     model, tokenizer = load_model(cfg.model, task_type, num_labels, dtype=cfg.torch_dtype(), pooling=cfg.pooling,
-                                  tokenizer=tokenizer, quantize=cfg.quantize, device=device if cfg.quantize else None)
+                                  tokenizer=tokenizer, quantize=cfg.quantize, device=device if cfg.quantize else None,
+                                  meta=cfg.fsdp)
     check_lengths(model, data)
     for key, count in data.notes.items():
         if ("truncated" in key or "masked" in key) and count:
@@ -144,12 +146,19 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
     for name, reason in data.gen_eval_missing.items():
         log(f"[prismdp] eval set {name} is missing (reported in summary.json): {reason}")
     model, targets, exclude = build_lora_model(cfg, model, task_type)
-    if not cfg.quantize:  # a quantized base is loaded on its device (bitsandbytes quantizes it there)
+    if cfg.fsdp:  # rank 0 reads the weights into host memory, LoRA on them as on the skeleton
+        whole = None
+        if world.rank == 0:
+            whole = build_lora_model(cfg, load_model(cfg.model, task_type, num_labels, dtype=cfg.torch_dtype(),
+                                                     pooling=cfg.pooling, tokenizer=tokenizer)[0], task_type)[0]
+    elif not cfg.quantize:  # a quantized base is loaded on its device (bitsandbytes quantizes it there)
         model = model.to(device)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if cfg.fsdp:  # before make_private: its rank-r start then gathers W0 one layer at a time
         shard_frozen_base(model, world)
+        fill_from_rank0(model, world, whole)
+        del whole
     private = make_private(
         model, method=cfg.method, lr=lr, dataset_size=data.n_units, batch_size=cfg.batch_size, steps=cfg.steps,
         target_epsilon=cfg.epsilon if cfg.dp else None, delta=cfg.delta, max_grad_norm=cfg.max_grad_norm,
