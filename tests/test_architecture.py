@@ -28,7 +28,7 @@ def _imported_modules(path: Path) -> set[str]:
 #: The layers of docs/architecture.md, bottom up: a module imports only from layers below its own.
 LAYERS = [
     {"atomic", "flags"},  # utilities
-    {"geometry", "privacy", "distributed", "sharding", "data", "heads", "losses"},
+    {"geometry", "privacy", "distributed", "sharding", "quantized", "data", "heads", "losses"},
     {"lora", "models", "eval"},
     {"grad_sample", "export"},
     {"optim"},

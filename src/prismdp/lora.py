@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from . import geometry
+from .quantized import dequantized_weight
 from .sharding import assign_weight, full_weight
 
 __all__ = [
@@ -52,7 +53,6 @@ __all__ = [
     "StartDropoutCompensation",
     "move_to_rank_r_start",
     "quantized_base",
-    "keep_canonical_layout",
     "base_weight",
 ]
 
@@ -226,40 +226,10 @@ def base_weight(pair: LoraPair, dtype: torch.dtype = torch.float64) -> Tensor:
     bitsandbytes' own de-quantization: what the layer multiplies by), a sharded one gathered; one layer only."""
     kind = quantized_base(pair)
     if kind:
-        return _dequantized(pair.layer.get_base_layer(), kind).to(dtype)
+        return dequantized_weight(pair.layer.get_base_layer(), kind).to(dtype)
     weight, transposed = _base_weight(pair)
     weight = full_weight(weight)  # a sharded base (FSDP): this layer gathered whole, on every rank
     return (weight.T if transposed else weight).to(dtype)
-
-
-def _dequantized(base: nn.Module, kind: str) -> Tensor:
-    """bitsandbytes' own de-quantization of a ``Linear4bit`` / ``Linear8bitLt`` weight (m, n), leaving the layer as it
-    is (PEFT's ``dequantize_module_weight`` re-assigns an 8-bit weight and loses its scales on CPU)."""
-    import bitsandbytes.functional as bnb_f
-
-    keep_canonical_layout(base)
-    w = base.weight
-    if kind == "4bit":
-        return bnb_f.dequantize_4bit(w.data, w.quant_state)
-    scb = w.SCB if getattr(w, "SCB", None) is not None else base.state.SCB  # moved to the state by the first forward
-    return bnb_f.int8_vectorwise_dequant(w.data, scb)
-
-
-def keep_canonical_layout(layer: nn.Module) -> None:
-    """Keep a bitsandbytes ``Linear4bit`` in its canonical NF4 layout, which its training forward and backward, its
-    de-quantization and its saved state all use.  bitsandbytes' CPU backend (0.49+), on a CPU with AVX512-BF16,
-    otherwise repacks the weight in place at the first forward in eval mode without gradients (an evaluation) into a
-    layout for a bf16 kernel, with its block scales rounded to bf16: the model then computes something else than it
-    trained (and what it exports), ``dequantize_4bit`` of the repacked weight is wrong, and so is the backward of a
-    later training step.  A weight already repacked is brought back as bitsandbytes does before saving it."""
-    weight = getattr(layer, "weight", None)
-    state = getattr(weight, "quant_state", None)
-    if state is not None and getattr(state, "packing_format_for_cpu", False):
-        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
-
-        weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, state)
-    if hasattr(layer, "support_avx512bf16_for_cpu"):
-        layer.support_avx512bf16_for_cpu = False
 
 
 def _start_in_branch(pair: LoraPair) -> bool:

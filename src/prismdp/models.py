@@ -31,6 +31,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from .quantized import keep_canonical_layout
+
 __all__ = [
     "ModelLoadError",
     "TASK_TYPES",
@@ -267,8 +269,6 @@ def _quantized_linear(linear: torch.nn.Linear, quantize: str, dtype: torch.dtype
         new.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False)
     if bias is not None:
         new.bias = torch.nn.Parameter(bias.data, requires_grad=False)
-    from .lora import keep_canonical_layout
-
     new = new.to(device)  # bitsandbytes quantizes the weight when it is moved to its device
     keep_canonical_layout(new)
     return new
@@ -399,8 +399,6 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
             if device is not None:
                 model.to(device)
     if quantize is not None:
-        from .lora import keep_canonical_layout
-
         for module in model.modules():  # evaluations compute what training does (see keep_canonical_layout)
             keep_canonical_layout(module)
     _ensure_pad(model, tokenizer, task_type, what)
