@@ -389,10 +389,11 @@ def torchrun(nproc: int, argv: list[str], tmp_path: Path, timeout: float = 240, 
         return group.wait(timeout)[0]
 
 
-def run_python(code: str, timeout: float) -> Finished:
-    """``python -c code``, bounded by ``timeout`` (then it and any child are killed and the test fails)."""
+def run_python(code: str, timeout: float, env: dict | None = None) -> Finished:
+    """``python -c code`` (``env`` added to the environment), bounded by ``timeout`` (then it and any child are killed
+    and the test fails)."""
     import sys
     import tempfile
 
-    with tempfile.TemporaryDirectory() as logs, Spawned([[sys.executable, "-c", code]], Path(logs)) as group:
+    with tempfile.TemporaryDirectory() as logs, Spawned([[sys.executable, "-c", code]], Path(logs), env) as group:
         return group.wait(timeout)[0]
