@@ -217,18 +217,16 @@ def model_skeleton(name_or_path: Union[str, os.PathLike, None], task_type: str, 
     read, no memory): its module names and layer types, for the checks that should come before loading (LoRA
     targets).  ``pooling="mean"``: the bare encoder.  None when the configuration cannot be read this way (the load
     itself then reports the problem)."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     try:
         source, gguf_file, _ = _resolve(name_or_path, task_type)
         extra = {"gguf_file": gguf_file} if gguf_file else {}
         if task_type == "seq_cls" and num_labels is not None:
             extra["num_labels"] = int(num_labels)
-        config = AutoConfig.from_pretrained(source, **extra)
         auto = AutoModel if pooling == "mean" else \
             AutoModelForSequenceClassification if task_type == "seq_cls" else AutoModelForCausalLM
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):  # draws nothing from the seeded stream
-            return auto.from_config(config)
+        return _on_meta(auto, source, {**extra, "dtype": torch.float32})
     except Exception:  # noqa: BLE001 - best effort: load_model raises the real error with its advice
         return None
 

@@ -128,14 +128,20 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
         extend_data(data, tokenizer, num_labels)
     if cfg.dp:
         check_delta(cfg.delta, data.n_units, allow_large=cfg.allow_large_delta, unit=cfg.privacy_unit)
-    skeleton = model_skeleton(cfg.model, task_type, num_labels, pooling=cfg.pooling)
+    # --fsdp: every rank builds the model on the meta device, which is also the skeleton; rank 0 alone reads the
+    # weights (below)
+    skeleton = load_model(cfg.model, task_type, num_labels, dtype=cfg.torch_dtype(), pooling=cfg.pooling,
+                          tokenizer=tokenizer, meta=True)[0] if cfg.fsdp else \
+        model_skeleton(cfg.model, task_type, num_labels, pooling=cfg.pooling)
     if skeleton is not None:
         check_targets(skeleton, cfg.target_modules or default_targets(skeleton))
-        del skeleton
-    # --fsdp: every rank builds the model on the meta device; rank 0 alone reads the weights (below)
-    model, tokenizer = load_model(cfg.model, task_type, num_labels, dtype=cfg.torch_dtype(), pooling=cfg.pooling,
-                                  tokenizer=tokenizer, quantize=cfg.quantize, device=device if cfg.quantize else None,
-                                  meta=cfg.fsdp)
+    if cfg.fsdp:
+        model = skeleton
+    else:
+        model, tokenizer = load_model(cfg.model, task_type, num_labels, dtype=cfg.torch_dtype(), pooling=cfg.pooling,
+                                      tokenizer=tokenizer, quantize=cfg.quantize,
+                                      device=device if cfg.quantize else None)
+    del skeleton
     check_lengths(model, data)
     for key, count in data.notes.items():
         if ("truncated" in key or "masked" in key) and count:
