@@ -376,6 +376,27 @@ def test_tuned_grid_widens_at_an_edge_runs_seeds_at_the_chosen_rate_and_reports_
     assert trained == []
 
 
+def test_seeds_select_the_runs_at_the_chosen_rate_of_a_tuned_grid(tmp_path):
+    """`--seeds 1` on a tuned grid: the tuning runs (seed 1) and nothing at seeds 2 and 3 (they were trained anyway:
+    the tuned path ignored --seeds); `--seeds 3` then adds seed 3 alone; a seed not in the grid is refused."""
+    exp = load_experiment({"name": "T", "output": str(tmp_path), "tasks": {"sst2": {}}, "base": {"holdout_val": 10},
+                           "methods": ["dp-adamw"], "privacy": [3], "seeds": [1, 2, 3], "lrs": [1e-3, 3e-3],
+                           "tune": {"by": "val", "widen": 0}})
+    trained = []
+
+    def train(cfg, **kw):
+        trained.append(Path(cfg.output).name)
+        return _train_scoring_lr(cfg, **kw)
+
+    run_experiment(exp, seeds=[1], progress=False, log=lambda *a: None, train_fn=train)
+    assert sorted(trained) == [f"sst2__dp-adamw__eps3__lr{lr:g}__seed1" for lr in (0.001, 0.003)]
+    trained.clear()
+    run_experiment(exp, seeds=[3], progress=False, log=lambda *a: None, train_fn=train)
+    assert trained == ["sst2__dp-adamw__eps3__lr0.003__seed3"]
+    with pytest.raises(ConfigError, match=r"--seeds: \[7\] not in the experiment"):
+        run_experiment(exp, seeds=[7], progress=False, log=lambda *a: None, train_fn=train)
+
+
 def test_a_cell_claimed_by_a_live_process_is_passed_over(tmp_path):
     import os
 

@@ -79,7 +79,8 @@ def _add_experiment(sub) -> None:
     p.add_argument("--tasks", type=csv_list, help="only these grid task ids")
     p.add_argument("--methods", type=csv_list, help="only these methods")
     p.add_argument("--privacy", type=csv_list, help="only these settings (e.g. 3,non-dp)")
-    p.add_argument("--seeds", type=csv_list, help="only these seeds")
+    p.add_argument("--seeds", type=csv_list, help="only these seeds (a tuned grid still trains its tuning runs, "
+                   "at its tuning seed: they choose the rate)")
     p.add_argument("--dry-run", action="store_true", help="list the selected cells and whether they are done")
     p.add_argument("--tables-only", action="store_true", help="train nothing; rebuild the tables from OUT")
     p.add_argument("--results-from", action="append", default=[], metavar="CSV",

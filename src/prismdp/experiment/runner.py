@@ -160,7 +160,8 @@ def run_experiment(exp: Experiment, *, output: Optional[str] = None, tasks: Opti
         from ..train.loop import train as train_fn
     archive = Archive([Path(p) for p in results_from])
     if exp.tune is not None:
-        return _run_tuned(exp, output=output, tasks=tasks, methods=methods, settings=settings, dry_run=dry_run,
+        return _run_tuned(exp, output=output, tasks=tasks, methods=methods, settings=settings, seeds=seeds,
+                          dry_run=dry_run,
                           tables_only=tables_only, progress=progress, log=log, train_fn=train_fn, poll_s=poll_s,
                           archive=archive)
     out_dir = Path(output if output is not None else exp.output)
@@ -202,11 +203,11 @@ def _write_tuned_tables(exp: Experiment, out_dir: Path, failures, archive):
     return write_results(exp, plan.reported_cells(), out_dir, failures, plan=plan, archive=archive)[1]
 
 
-def _run_tuned(exp: Experiment, *, output, tasks, methods, settings, dry_run, tables_only, progress, log, train_fn,
-               poll_s, archive) -> ExperimentRun:
+def _run_tuned(exp: Experiment, *, output, tasks, methods, settings, seeds, dry_run, tables_only, progress, log,
+               train_fn, poll_s, archive) -> ExperimentRun:
     """A grid with learning-rate tuning: train what the finished runs unlock until every group is decided."""
     out_dir = Path(output if output is not None else exp.output)
-    plan = Plan(exp, out_dir, tasks=tasks, methods=methods, settings=settings, archive=archive)
+    plan = Plan(exp, out_dir, tasks=tasks, methods=methods, settings=settings, seeds=seeds, archive=archive)
     run = ExperimentRun(out_dir, plan.todo())
     if dry_run:
         for key, g in plan.groups.items():
@@ -220,7 +221,8 @@ def _run_tuned(exp: Experiment, *, output, tasks, methods, settings, dry_run, ta
         "lrs": exp.lrs, "method_lrs": exp.method_lrs, "tune": dataclasses.asdict(exp.tune)})
     waited = False
     while not tables_only:
-        plan = Plan(exp, out_dir, tasks=tasks, methods=methods, settings=settings, failed=list(run.failures),
+        plan = Plan(exp, out_dir, tasks=tasks, methods=methods, settings=settings, seeds=seeds,
+                    failed=list(run.failures),
                     archive=archive)
         todo = plan.todo()
         cell = next((c for c in todo if claim(Path(c.config.output))), None)

@@ -141,7 +141,7 @@ class GroupState:
 class Plan:
     """The tuned grid's state, recomputed from the run folders (so it resumes, and processes can share it)."""
 
-    def __init__(self, exp, out_root: Path, *, tasks=None, methods=None, settings=None,
+    def __init__(self, exp, out_root: Path, *, tasks=None, methods=None, settings=None, seeds=None,
                  failed: Sequence[str] = (), archive=None):
         self.exp, self.out_root, self.failed, self.archive = exp, Path(out_root), set(failed), archive
         self.tune = exp.tune
@@ -151,6 +151,12 @@ class Plan:
         self.tasks = [t for t in exp.tasks if not tasks or t in tasks]
         self.methods = [m for m in exp.methods if not methods or m in methods]
         self.settings = [s for s in exp.settings if not settings or s in settings]
+        # ``seeds``: the seeds whose runs at the chosen rate are trained (the tuning runs, at ``tune_seed``, always are:
+        # without them there is no chosen rate)
+        unknown = sorted(set(seeds or ()) - set(exp.seeds))
+        if unknown:
+            raise ConfigError(f"--seeds: {unknown} not in the experiment ({', '.join(map(str, exp.seeds))})")
+        self.seeds = [s for s in exp.seeds if not seeds or s in seeds]
         self.groups: Dict[Tuple[str, str, str], GroupState] = {}
         self.refresh()
 
@@ -184,7 +190,8 @@ class Plan:
                 continue
             g.chosen = best
             g.seed_cells = [self._cell(task_id, method, setting, s, best) for s in self.exp.seeds]
-            g.todo = [c for c in g.seed_cells if not is_done(c, self.archive) and c.id not in self.failed]
+            g.todo = [c for s, c in zip(self.exp.seeds, g.seed_cells)
+                      if s in self.seeds and not is_done(c, self.archive) and c.id not in self.failed]
             return g
 
     def refresh(self) -> None:
