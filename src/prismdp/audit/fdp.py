@@ -26,8 +26,9 @@ Curves: Gaussian DP (:func:`gdp_blow_up_inverse`, ``fbar^-1(y) = Phi(Phi^-1(y) -
 epsilon that mu-GDP gives at the run's delta, Dong, Roth and Su 2019, Cor. 2.13), and the run's own mechanism, a
 Poisson-subsampled Gaussian composed over the run's steps (:func:`subsampled_gaussian_blow_up_inverse`, from
 dp-accounting's PLD; the bound is the noise multiplier sigma whose curve is rejected and the accountant's epsilon
-at that sigma).  The threshold is chosen as in :mod:`.statistics`: every vertex of the (FN, TN) hull tested at
-``significance / H`` (Bonferroni), so the bound holds with confidence ``1 - significance`` after the choice.
+at that sigma).  The threshold is chosen as in :mod:`.statistics`: every candidate of the threshold rule (by default
+the ladder of top-k guesses fixed before the coins are read) tested at ``significance / K`` (Bonferroni), so the
+bound holds with confidence ``1 - significance`` after the choice.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import numpy as np
 import scipy.optimize
 import scipy.special
 
-from .statistics import _check_counts, hull_thresholds
+from .statistics import _check_counts, candidate_thresholds
 
 __all__ = ["FdpAudit", "MechanismAudit", "audit_one_run_fdp", "audit_one_run_mechanism", "fdp_gap",
            "gdp_blow_up_inverse", "gdp_delta", "gdp_epsilon", "mu_one_run", "profile_blow_up_inverse", "subsampled_gaussian_blow_up_inverse"]
@@ -148,7 +149,7 @@ class FdpAudit:
     delta: float
 
 
-def _candidates(in_scores, out_scores, significance: float, delta: float):
+def _candidates(in_scores, out_scores, significance: float, delta: float, rule: str):
     ins, outs = np.asarray(in_scores, float), np.asarray(out_scores, float)
     if ins.ndim != 1 or outs.ndim != 1 or ins.size == 0 or outs.size == 0:
         raise ValueError("in_scores and out_scores must be non-empty 1-d sequences of scores")
@@ -158,29 +159,31 @@ def _candidates(in_scores, out_scores, significance: float, delta: float):
         raise ValueError(f"significance must be in (0, 1), got {significance!r}")
     if not 0 < delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
-    thresholds, fn, tn = hull_thresholds(ins, outs)
+    thresholds, fn, tn, tests = candidate_thresholds(ins, outs, rule)
     correct = ins.size - fn
     guesses = correct + outs.size - tn
     m = ins.size + outs.size
     # a threshold whose guesses do not reject even "no privacy loss at all" (fbar^-1 = identity) rejects nothing
-    alpha = significance / len(fn)
+    alpha = significance / tests
     live = [k for k in range(len(fn)) if guesses[k] > 0
             and fdp_gap(lambda y: y, m, int(guesses[k]), int(correct[k]), alpha) > 0]
-    return thresholds, guesses, correct, m, alpha, live
+    return thresholds, guesses, correct, m, alpha, live, tests
 
 
 def audit_one_run_fdp(in_scores: Sequence[float], out_scores: Sequence[float], *, delta: float,
-                      significance: float = 0.05) -> FdpAudit:
+                      significance: float = 0.05, threshold_rule: str = "ladder") -> FdpAudit:
     """Lower bound on the run's Gaussian-DP mu (and the epsilon it gives at ``delta``), with confidence
-    ``1 - significance``, from the scores of the included and excluded canaries (higher = "more likely in")."""
-    thresholds, guesses, correct, m, alpha, live = _candidates(in_scores, out_scores, significance, delta)
+    ``1 - significance``, from the scores of the included and excluded canaries (higher = "more likely in");
+    ``threshold_rule`` as in :func:`prismdp.audit.statistics.candidate_thresholds`."""
+    thresholds, guesses, correct, m, alpha, live, tests = _candidates(in_scores, out_scores, significance, delta,
+                                                                      threshold_rule)
     best, best_k = 0.0, len(thresholds) - 1  # the last vertex is +inf: no guesses
     for k in sorted(live, key=lambda k: -(correct[k] + 1) / (guesses[k] + 2)):  # most precise first
         mu = mu_one_run(m, int(guesses[k]), int(correct[k]), alpha, floor=best)
         if mu > best:
             best, best_k = mu, k
     return FdpAudit(best, gdp_epsilon(best, delta), float(thresholds[best_k]), int(guesses[best_k]),
-                    int(correct[best_k]), len(thresholds), m, significance, delta)
+                    int(correct[best_k]), tests, m, significance, delta)
 
 
 # ----------------------------------------------------------------------------------- the run's own mechanism
@@ -214,15 +217,16 @@ class MechanismAudit:
 
 def audit_one_run_mechanism(in_scores: Sequence[float], out_scores: Sequence[float], *, sample_rate: float,
                             steps: int, delta: float, significance: float = 0.05,
-                            start: float = 1.0, rtol: float = 1e-3) -> MechanismAudit:
+                            start: float = 1.0, rtol: float = 1e-3, threshold_rule: str = "ladder") -> MechanismAudit:
     """The f-DP audit against the curves of the run's own mechanism family: ``steps`` Poisson-subsampled Gaussian
     steps at ``sample_rate`` with noise multiplier s.  A larger s claims more privacy; the claim "the run is as
     private as s" is rejected for every s above the returned ``sigma_upper_bound`` (with confidence
-    ``1 - significance``, Bonferroni over the hull thresholds).  ``start`` is where the search begins (the run's
+    ``1 - significance``, Bonferroni over the candidates of ``threshold_rule``).  ``start`` is where the search begins (the run's
     sigma); the bound is found to relative precision ``rtol``."""
-    thresholds, guesses, correct, m, alpha, live = _candidates(in_scores, out_scores, significance, delta)
+    thresholds, guesses, correct, m, alpha, live, tests = _candidates(in_scores, out_scores, significance, delta,
+                                                                      threshold_rule)
     if not live:
-        return MechanismAudit(math.inf, math.inf, 0, 0, len(thresholds), m, significance)
+        return MechanismAudit(math.inf, math.inf, 0, 0, tests, m, significance)
     cache: dict[float, tuple[float, int]] = {}
 
     def worst(log_s: float) -> tuple[float, int]:  # the largest gap over the thresholds, and where
@@ -242,8 +246,8 @@ def audit_one_run_mechanism(in_scores: Sequence[float], out_scores: Sequence[flo
         while worst(hi)[0] <= 0:
             lo, hi = hi, hi + math.log(4)
             if hi > math.log(start) + math.log(4) * 8:
-                return MechanismAudit(math.inf, math.inf, 0, 0, len(thresholds), m, significance)
+                return MechanismAudit(math.inf, math.inf, 0, 0, tests, m, significance)
     root = scipy.optimize.brentq(lambda s: worst(s)[0], lo, hi, xtol=rtol / 2)
     k = worst(hi)[1]
-    return MechanismAudit(math.exp(root), float(thresholds[k]), int(guesses[k]), int(correct[k]), len(thresholds),
+    return MechanismAudit(math.exp(root), float(thresholds[k]), int(guesses[k]), int(correct[k]), tests,
                           m, significance)

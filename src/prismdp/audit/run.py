@@ -22,7 +22,8 @@ to the coins or to the excluded canaries; the trainer receives the included cana
 The scorer is given all m canaries and no coins, and the scores are final (a numpy array, copied) before
 :meth:`InclusionSecret.reveal` is called; the coins reach disk (audit-canaries.json) only after that.  A stronger
 separation would run the scorer in another process; the statistics do not need it, because the guesses are a function
-of the scores alone and the Bonferroni correction pays for choosing the threshold after the coins are known.
+of the scores alone: the candidate thresholds (the top-k ladder) are fixed before the coins are read, and the
+Bonferroni correction over them pays for choosing the best one after.
 """
 
 from __future__ import annotations
@@ -102,18 +103,22 @@ def _finite(x: float) -> float | None:
     return float(x) if np.isfinite(x) else None  # strict JSON has no Infinity
 
 
-def fdp_report(in_scores: np.ndarray, out_scores: np.ndarray, privacy: dict, significance: float) -> dict:
+def fdp_report(in_scores: np.ndarray, out_scores: np.ndarray, privacy: dict, significance: float,
+               threshold_rule: str = "ladder") -> dict:
     """audit.json's ``"fdp"`` section: the f-DP bounds of :mod:`.fdp` on the same scores, for the run's
     ``privacy`` summary (delta, sample rate, steps, noise multiplier, accountant)."""
     delta, sigma = privacy["delta"], float(privacy["noise_multiplier"])
-    gdp = audit_one_run_fdp(in_scores, out_scores, delta=delta, significance=significance)
+    gdp = audit_one_run_fdp(in_scores, out_scores, delta=delta, significance=significance,
+                            threshold_rule=threshold_rule)
     mech = audit_one_run_mechanism(in_scores, out_scores, sample_rate=privacy["sample_rate"], steps=privacy["steps"],
-                                   delta=delta, significance=significance, start=sigma)
+                                   delta=delta, significance=significance, start=sigma,
+                                   threshold_rule=threshold_rule)
     s = mech.sigma_upper_bound
     eps = accountant_epsilon(s, privacy["sample_rate"], privacy["steps"], delta, privacy["accountant"]) \
         if np.isfinite(s) else 0.0
     return {
-        "test": "Mahloujifar, Melis, Chaudhuri 2024 (arXiv:2410.22235), Bonferroni over the hull thresholds",
+        "test": f"Mahloujifar, Melis, Chaudhuri 2024 (arXiv:2410.22235), Bonferroni over the {threshold_rule} "
+                "thresholds",
         "gdp_mu_lower_bound": gdp.mu_lower_bound, "gdp_eps_lower_bound": gdp.eps_lower_bound,
         "gdp_guesses": gdp.guesses, "gdp_correct": gdp.correct, "gdp_threshold": _finite(gdp.threshold),
         "mechanism_sigma_upper_bound": _finite(s), "mechanism_eps_lower_bound": _finite(eps),
@@ -173,7 +178,7 @@ def run_audit(cfg: TrainConfig, canaries: int, kind: str = "gradient", *, signif
     report = {
         "m": canaries, "canary_kind": kind, "included": int(bits.sum()), "method": cfg.method,
         "guesses": found.guesses, "correct": found.correct, "threshold": found.threshold,
-        "candidate_thresholds": found.candidates, "eps_lower_bound": found.eps_lower_bound,
+        "threshold_rule": "ladder", "candidate_thresholds": found.candidates, "eps_lower_bound": found.eps_lower_bound,
         "significance": significance, "delta": privacy["delta"], "epsilon": claimed,
         "accountant": privacy["accountant"], "noise_multiplier": privacy["noise_multiplier"],
         "sample_rate": privacy["sample_rate"], "steps": privacy["steps"], "canary_seed": root,
