@@ -44,7 +44,8 @@ import scipy.special
 from .statistics import _check_counts, candidate_thresholds
 
 __all__ = ["FdpAudit", "MechanismAudit", "audit_one_run_fdp", "audit_one_run_mechanism", "fdp_gap",
-           "gdp_blow_up_inverse", "gdp_delta", "gdp_epsilon", "mu_one_run", "profile_blow_up_inverse", "subsampled_gaussian_blow_up_inverse"]
+           "gdp_blow_up_inverse", "gdp_delta", "gdp_epsilon", "mu_one_run", "profile_blow_up_inverse",
+           "subsampled_gaussian_blow_up_inverse"]
 
 BlowUpInverse = Callable[[float], float]
 PLD_DISCRETIZATION = 1e-3  # dp-accounting's PLD grid for the mechanism's curve (pessimistic rounding: conservative)
@@ -221,8 +222,8 @@ def audit_one_run_mechanism(in_scores: Sequence[float], out_scores: Sequence[flo
     """The f-DP audit against the curves of the run's own mechanism family: ``steps`` Poisson-subsampled Gaussian
     steps at ``sample_rate`` with noise multiplier s.  A larger s claims more privacy; the claim "the run is as
     private as s" is rejected for every s above the returned ``sigma_upper_bound`` (with confidence
-    ``1 - significance``, Bonferroni over the candidates of ``threshold_rule``).  ``start`` is where the search begins (the run's
-    sigma); the bound is found to relative precision ``rtol``."""
+    ``1 - significance``, Bonferroni over the candidates of ``threshold_rule``).  ``start`` is where the search
+    begins (the run's sigma); the bound is found to relative precision ``rtol``."""
     thresholds, guesses, correct, m, alpha, live, tests = _candidates(in_scores, out_scores, significance, delta,
                                                                       threshold_rule)
     if not live:

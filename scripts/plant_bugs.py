@@ -1,0 +1,118 @@
+"""Plant the classic DP-SGD bugs (and PRISM's) one at a time and check that the fast tests fail on each.
+
+    python scripts/plant_bugs.py            # every bug
+    python scripts/plant_bugs.py M3 M11     # some
+
+Each bug is a one-line edit of the committed code (HEAD), made in a throwaway git worktree, never in this checkout;
+the privacy-related test files then run there (``-x``, slow tests deselected) and the first failing test is printed.
+A bug that no test catches prints "NOT CAUGHT" and the script exits 1.  The same files run first without any edit:
+they must pass, or every bug would look caught.
+"""
+
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+MUTANTS = {
+ "M1 divide by realised batch": ("src/prismdp/privacy/mechanism.py",
+   "b, std = float(self.dp.expected_batch_size), self.dp.noise_std",
+   "b, std = max(float(clip.examples), 1.0), self.dp.noise_std"),
+ "M2 clip bound 1.5 C": ("src/prismdp/privacy/clipping.py",
+   "coef = (self.max_grad_norm / (norms + 1e-12)).clamp(max=1.0)",
+   "coef = (self.max_grad_norm / (norms + 1e-12)).clamp(max=1.5)"),
+ "M3 half noise": ("src/prismdp/privacy/mechanism.py",
+   "noise = [std * xi for xi in coords.noise(draws)]",
+   "noise = [0.5 * std * xi for xi in coords.noise(draws)]"),
+ "M4 per-module clipping": ("src/prismdp/optim/prism.py",
+   "sq = sq + inv_root ** 2 * self._norm_sq(fr, gA_t, gB_t).sum(0)",
+   "sq = torch.maximum(sq, inv_root ** 2 * self._norm_sq(fr, gA_t, gB_t).amax(0))"),
+ "M5 dense params outside the norm": ("src/prismdp/optim/prism.py",
+   "            sq = sq + g.flatten(1).square().sum(1)\n",
+   "            pass\n"),
+ "M6 noise not tangent (no (I-Pi_A))": ("src/prismdp/geometry.py",
+   "perp = omega_A - _proj(fr.QA, omega_A)",
+   "perp = omega_A"),
+ "M7 sampling rate 1.5 q": ("src/prismdp/privacy/sampling.py",
+   "yield torch.nonzero(u < self.sample_rate).flatten() * world + rank",
+   "yield torch.nonzero(u < 1.5 * self.sample_rate).flatten() * world + rank"),
+ "M8 accountant half the steps": ("src/prismdp/privacy/accounting.py",
+   "acc.history = [(sigma, sample_rate, steps)]",
+   "acc.history = [(sigma, sample_rate, max(1, steps // 2))]"),
+ "M9 batch token mean x b (reference code)": ("src/prismdp/losses.py",
+   "    return total / count.clamp_min(1)",
+   "    return total / count.sum().clamp_min(1) * b"),
+ "M10 non-finite example kept": ("src/prismdp/privacy/clipping.py",
+   "        coef = torch.where(finite, coef, torch.zeros_like(coef))\n",
+   ""),
+ "M11 user-level: clip per example": ("src/prismdp/engine.py",
+   "self.optimizer.accumulate(grads if groups is None else grads.sum_by(groups, n_units))",
+   "self.optimizer.accumulate(grads)"),
+ "M12 lift without the -1/2 Pi term": ("src/prismdp/geometry.py",
+   "return YA - 0.5 * _proj(fr.QA, YA), YB - 0.5 * _proj(fr.QB, YB)",
+   "return YA, YB"),
+ "M13 same noise every step": ("src/prismdp/privacy/mechanism.py",
+   "draws = [self.noise_source.normal(s.shape, s.dtype, s.device) for s in sums]",
+   "draws = [torch.zeros_like(s).normal_(generator=torch.Generator().manual_seed(0)) for s in sums]"),
+ "M14 same Poisson sample every step": ("src/prismdp/privacy/sampling.py",
+   "u = torch.rand(owned, generator=self.generator, dtype=torch.float64)",
+   "u = torch.rand(owned, generator=torch.Generator().manual_seed(0), dtype=torch.float64)"),
+ "M15 noise sigma without C": ("src/prismdp/privacy/clipping.py",
+   "return self.noise_multiplier * self.max_grad_norm",
+   "return self.noise_multiplier"),
+ "M16 calibrate for fewer steps": ("src/prismdp/engine.py",
+   "noise_multiplier = calibrate_sigma(target_epsilon, delta, q, steps, accountant=accountant)",
+   "noise_multiplier = calibrate_sigma(target_epsilon, delta, q, max(1, steps // 2), accountant=accountant)"),
+}
+TESTS = ["tests/test_mechanism.py", "tests/test_privacy.py", "tests/test_engine.py", "tests/test_geometry.py",
+         "tests/test_losses.py", "tests/test_user_level.py", "tests/test_grad_sample.py", "tests/test_adaptive.py",
+         "tests/test_baselines.py"]
+
+
+def run_tests(root: Path) -> tuple[int, list[str]]:
+    env = {"PYTHONPATH": str(root / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "HOME": str(Path.home())}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-x", "--no-header",
+                        "-m", "not slow", *TESTS], cwd=root, capture_output=True, text=True, env=env)
+    return r.returncode, [ln for ln in r.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+
+
+def main(only: list[str]) -> int:
+    missed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "-q", "--detach", str(root), "HEAD"], check=True)
+        try:
+            rc, failed = run_tests(root)
+            if rc != 0:
+                print(f"the tests fail without any bug planted: {failed[:1]}")
+                return 2
+            for name, (f, old, new) in MUTANTS.items():
+                if only and not any(name.startswith(o + " ") for o in only):
+                    continue
+                path = root / f
+                text = path.read_text()
+                if text.count(old) != 1:
+                    print(f"{name}: the line to edit is not in {f} once (the code moved: update this script)")
+                    missed += 1
+                    continue
+                path.write_text(text.replace(old, new))
+                t0 = time.time()
+                try:
+                    rc, failed = run_tests(root)
+                finally:
+                    path.write_text(text)
+                caught = rc != 0 and failed
+                missed += not caught
+                print(f"{name}: {'caught by ' + failed[0].split()[1] if caught else 'NOT CAUGHT'} "
+                      f"({time.time() - t0:.0f} s)", flush=True)
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(root)], check=False)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
