@@ -19,7 +19,7 @@ import pytest
 import scipy.stats
 
 from prismdp.audit import epsilon_one_run, one_run_p_value
-from prismdp.audit.statistics import hull_thresholds
+from prismdp.audit.statistics import candidate_thresholds, hull_thresholds, ladder_thresholds
 
 
 def _deterministic_normal(mu: float, n: int) -> np.ndarray:
@@ -81,6 +81,18 @@ def test_hull_keeps_only_convex_vertices():
     th, fn, tn = hull_thresholds([1, 2, 3, 4], [0, 1, 2, 3])
     assert list(th) == [0, 1, 4, np.inf]
     assert list(zip(fn, tn)) == [(0, 0), (0, 1), (3, 4), (4, 4)]
+
+
+def test_ladder_guesses_the_top_1_2_4_8_scores_hand_worked():
+    # pooled scores 5 4 3 3 2 1 0 0 (in: 5 3 2 0, out: 4 3 1 0): the 1st, 2nd, 4th and 8th highest are 5, 4, 3, 0,
+    # so the guesses are the top 1, 2, 4 and all 8 (ties at a threshold are all guessed), then none (+inf)
+    th, fn, tn = ladder_thresholds([5, 3, 2, 0], [4, 3, 1, 0])
+    assert list(th) == [5, 4, 3, 0, np.inf]
+    assert list(zip(fn, tn)) == [(3, 4), (3, 3), (2, 2), (0, 0), (4, 4)]
+    assert candidate_thresholds([5, 3, 2, 0], [4, 3, 1, 0])[3] == 4  # K = floor(log2 8) + 1, fixed in advance
+    assert candidate_thresholds([5, 3, 2], [4, 3, 1, 0])[3] == 3  # m = 7: top 1, 2, 4
+    with pytest.raises(ValueError, match="threshold_rule must be one of"):
+        candidate_thresholds([1.0], [0.0], "best")
 
 
 def test_bound_stays_below_the_truth_of_a_known_mechanism():
