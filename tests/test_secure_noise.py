@@ -26,13 +26,45 @@ def test_secure_normals_have_the_standard_normal_law():
     assert abs(scipy.stats.kurtosis(x)) < 0.05  # a Gaussian's excess kurtosis is 0 (sd ~ 0.011 here)
 
 
-def test_a_secure_normal_is_the_scaled_sum_of_four_chacha_normals():
-    # the Holohan-Braghin construction, recomputed from randomgen's ChaCha20 with the same key
+def test_a_secure_normal_is_the_scaled_sum_of_four_chacha_normals(monkeypatch):
+    # the Holohan-Braghin construction, recomputed from randomgen's ChaCha20 with the same key: block j of the c-th
+    # draw from the counter c * 2^64 + j * 2^40 (blocks of 4 coordinates here, so a (3, 5) draw spans 4 blocks)
     from randomgen import ChaCha
 
-    got = SecureRandom(KEY).normal((3, 5), torch.float64, "cpu").numpy()
-    ref = np.random.Generator(ChaCha(key=int.from_bytes(KEY, "little"), rounds=20)).standard_normal((4, 3, 5))
-    np.testing.assert_allclose(got, ref.sum(0) / 2, rtol=0, atol=1e-15)
+    import prismdp.privacy.secure as secure
+
+    monkeypatch.setattr(secure, "BLOCK", 4)
+    gen = SecureRandom(KEY)
+    gen.normal((2,), torch.float64, "cpu")  # draw 1
+    got = gen.normal((3, 5), torch.float64, "cpu").numpy().ravel()  # draw 2
+    key = int.from_bytes(KEY, "little")
+    ref = np.concatenate([np.random.Generator(ChaCha(key=key, counter=(2 << 64) | (j << 40), rounds=20))
+                          .standard_normal((4, min(4, 15 - 4 * j))).sum(0) / 2 for j in range(4)])
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-15)
+
+
+def test_secure_noise_does_not_depend_on_the_number_of_threads(monkeypatch):
+    # ranks that share a key must draw the same noise whatever their thread settings (blocks, not threads, own the
+    # keystream positions); and the blocks are independent draws, not copies
+    import prismdp.privacy.secure as secure
+
+    monkeypatch.setattr(secure, "BLOCK", 1000)
+    draws = {}
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            gen = SecureRandom(KEY)
+            draws[n] = [gen.normal((10_007,), torch.float32, "cpu") for _ in range(2)]
+    finally:
+        torch.set_num_threads(threads)
+    for n in (2, 3):
+        assert all(torch.equal(a, b) for a, b in zip(draws[1], draws[n]))
+    first, second = draws[1]
+    assert not torch.equal(first, second)
+    blocks = first[:10_000].view(10, 1000)
+    assert all(not torch.equal(blocks[0], blocks[j]) for j in range(1, 10))
+    assert scipy.stats.kstest(torch.cat([first, second]).double().numpy(), "norm").pvalue > 1e-3
 
 
 def test_secure_streams_are_keyed_from_the_os_and_take_no_seed():

@@ -27,6 +27,10 @@ noise is reproducible by anyone who knows the seed.  In secure mode:
 * **On a GPU**: ChaCha20 and the four normals per coordinate run on the CPU (randomgen has no GPU kernel); each
   noise tensor is summed and cast to the release's dtype on the CPU into page-locked memory and copied to the device
   once, asynchronously (the step does not wait for it).  Costs per step: ``bench/results/secure-noise/``.
+* **Threads**: a noise tensor is drawn in blocks of :data:`BLOCK` coordinates, block j of the c-th draw from its own
+  ChaCha20 position (counter ``c * 2^64 + j * 2^40``, the same key: disjoint pieces of one keystream), on up to
+  ``torch.get_num_threads()`` threads (numpy's samplers release the GIL).  The values depend on the key, c and j
+  only, never on the number of threads: ranks sharing a key draw the same noise whatever their thread settings.
 * **Several processes** (:mod:`prismdp.distributed`): the noise of the global sum must be one draw shared by all
   ranks.  Rank 0 draws the key and broadcasts it once (:meth:`prismdp.distributed.World.shared_key`); every rank then
   draws the same noise locally, with no per-step communication.  That gives no rank anything it does not already hold:
@@ -36,6 +40,7 @@ noise is reproducible by anyone who knows the seed.  In secure mode:
 
 from __future__ import annotations
 
+import math
 import secrets
 from typing import Any, Sequence
 
@@ -43,11 +48,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["SecureRandom", "TorchNoise", "KEY_BYTES", "NORMALS_PER_DRAW", "TORCH_GENERATORS",
+__all__ = ["SecureRandom", "TorchNoise", "BLOCK", "KEY_BYTES", "NORMALS_PER_DRAW", "TORCH_GENERATORS",
            "describe_torch_generator"]
 
 KEY_BYTES = 32
 NORMALS_PER_DRAW = 4  # Holohan-Braghin: (N1 + ... + N4) / 2
+BLOCK = 1 << 18  # noise coordinates per ChaCha20 position (4 x 2 MiB of float64 draws at a time per thread)
+_CALL_SHIFT, _BLOCK_SHIFT = 64, 40  # counter of block j of draw c: c * 2^64 + j * 2^40 (a block uses < 2^22)
 
 
 class SecureRandom:
@@ -61,7 +68,10 @@ class SecureRandom:
             raise ValueError(f"SecureRandom takes a key of {KEY_BYTES} random bytes (secrets.token_bytes), not a seed; "
                              f"got {type(key).__name__}")
         key = secrets.token_bytes(KEY_BYTES) if key is None else key
-        self._gen = np.random.Generator(ChaCha(key=int.from_bytes(key, "little"), rounds=20))
+        self._key = int.from_bytes(key, "little")
+        self._gen = np.random.Generator(ChaCha(key=self._key, rounds=20))  # uniforms: counters from 0
+        self._draws = 0  # normal() calls so far: draw c uses the counters from c * 2^64 on
+        self._pool = None
 
     def describe(self) -> dict[str, Any]:
         import randomgen
@@ -73,13 +83,33 @@ class SecureRandom:
         """``n`` float64 uniforms on [0, 1) (53 random bits each)."""
         return torch.from_numpy(self._gen.random(int(n)))
 
+    def _block(self, draw: int, j: int, out: np.ndarray) -> None:
+        """Block ``j`` of draw ``draw``: ``out`` (float64, at most :data:`BLOCK` entries) <- Holohan-Braghin normals."""
+        from randomgen import ChaCha
+
+        counter = (draw << _CALL_SHIFT) | (j << _BLOCK_SHIFT)
+        gen = np.random.Generator(ChaCha(key=self._key, counter=counter, rounds=20))
+        np.sum(gen.standard_normal((NORMALS_PER_DRAW, out.size)), axis=0, out=out)
+        out /= np.sqrt(NORMALS_PER_DRAW)
+
     def normal(self, shape: Sequence[int], dtype: torch.dtype, device) -> Tensor:
         """Standard normal entries of ``shape`` as ``(N1 + N2 + N3 + N4) / 2`` in float64, cast to ``dtype``."""
         if torch.finfo(dtype).bits < 32:
             raise ValueError(f"secure noise is drawn in float32 or wider, not {dtype}")
-        size = (NORMALS_PER_DRAW, *tuple(shape))
-        draws = self._gen.standard_normal(size)
-        total = torch.from_numpy(draws.sum(axis=0) / np.sqrt(NORMALS_PER_DRAW))
+        self._draws += 1
+        flat = np.empty(math.prod(shape))
+        blocks = [(j, flat[s:s + BLOCK]) for j, s in enumerate(range(0, flat.size, BLOCK))]
+        threads = min(torch.get_num_threads(), len(blocks))
+        if threads > 1:
+            if self._pool is None or self._pool._max_workers < threads:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(threads, thread_name_prefix="prismdp-secure-noise")
+            list(self._pool.map(lambda b: self._block(self._draws, *b), blocks))
+        else:
+            for j, out in blocks:
+                self._block(self._draws, j, out)
+        total = torch.from_numpy(flat.reshape(tuple(shape)))
         device = torch.device(device)
         if device.type != "cuda":
             return total.to(device=device, dtype=dtype)
