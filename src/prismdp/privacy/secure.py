@@ -97,6 +97,7 @@ class SecureRandom:
         if torch.finfo(dtype).bits < 32:
             raise ValueError(f"secure noise is drawn in float32 or wider, not {dtype}")
         self._draws += 1
+        draw = self._draws
         flat = np.empty(math.prod(shape))
         blocks = [(j, flat[s:s + BLOCK]) for j, s in enumerate(range(0, flat.size, BLOCK))]
         threads = min(torch.get_num_threads(), len(blocks))
@@ -105,10 +106,10 @@ class SecureRandom:
                 from concurrent.futures import ThreadPoolExecutor
 
                 self._pool = ThreadPoolExecutor(threads, thread_name_prefix="prismdp-secure-noise")
-            list(self._pool.map(lambda b: self._block(self._draws, *b), blocks))
+            list(self._pool.map(lambda b: self._block(draw, *b), blocks))
         else:
             for j, out in blocks:
-                self._block(self._draws, j, out)
+                self._block(draw, j, out)
         total = torch.from_numpy(flat.reshape(tuple(shape)))
         device = torch.device(device)
         if device.type != "cuda":
