@@ -1,5 +1,6 @@
 """--secure-noise: ChaCha20 from an OS key, Holohan-Braghin normals, no seeds, float32 or wider, recorded, resumable."""
 
+import copy
 import json
 import math
 import pickle
@@ -56,6 +57,7 @@ def test_secure_noise_does_not_depend_on_the_number_of_threads(monkeypatch):
             torch.set_num_threads(n)
             gen = SecureRandom(KEY)
             draws[n] = [gen.normal((10_007,), torch.float32, "cpu") for _ in range(2)]
+            copy.deepcopy(gen)  # its thread pool is not copied (a pool cannot be)
     finally:
         torch.set_num_threads(threads)
     for n in (2, 3):

@@ -73,6 +73,9 @@ class SecureRandom:
         self._draws = 0  # normal() calls so far: draw c uses the counters from c * 2^64 on
         self._pool = None
 
+    def __getstate__(self) -> dict[str, Any]:  # a copy (deepcopy, pickle) gets its own threads when it draws
+        return {**self.__dict__, "_pool": None}
+
     def describe(self) -> dict[str, Any]:
         import randomgen
 
