@@ -144,6 +144,12 @@ class Experiment:
 
         return self.labels.get(method, METHODS[method].label if method in METHODS else method)
 
+    def check_seeds(self, seeds: Optional[Sequence[int]]) -> None:
+        """A :class:`ConfigError` naming the seeds of ``seeds`` (``--seeds``) that the experiment does not have."""
+        unknown = [s for s in (seeds or ()) if s not in self.seeds]
+        if unknown:
+            raise ConfigError(f"--seeds: {unknown} not in the experiment ({', '.join(map(str, self.seeds))})")
+
     def cells(self, output: Optional[str] = None, *, tasks: Optional[Sequence[str]] = None,
               methods: Optional[Sequence[str]] = None, settings: Optional[Sequence[Setting]] = None,
               seeds: Optional[Sequence[int]] = None) -> List[Cell]:
@@ -157,9 +163,7 @@ class Experiment:
             if s not in self.settings:
                 have = ", ".join(x.key for x in self.settings)
                 raise ConfigError(f"--privacy: {s.key} not in the experiment ({have})")
-        for s in seeds or ():
-            if s not in self.seeds:
-                raise ConfigError(f"--seeds: {s} not in the experiment ({', '.join(map(str, self.seeds))})")
+        self.check_seeds(seeds)
         cells = []
         for task_id in self.tasks:
             if tasks and task_id not in tasks:

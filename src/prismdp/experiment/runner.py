@@ -161,9 +161,8 @@ def run_experiment(exp: Experiment, *, output: Optional[str] = None, tasks: Opti
     archive = Archive([Path(p) for p in results_from])
     if exp.tune is not None:
         return _run_tuned(exp, output=output, tasks=tasks, methods=methods, settings=settings, seeds=seeds,
-                          dry_run=dry_run,
-                          tables_only=tables_only, progress=progress, log=log, train_fn=train_fn, poll_s=poll_s,
-                          archive=archive)
+                          dry_run=dry_run, tables_only=tables_only, progress=progress, log=log, train_fn=train_fn,
+                          poll_s=poll_s, archive=archive)
     out_dir = Path(output if output is not None else exp.output)
     all_cells = exp.cells(str(out_dir))
     chosen = {c.id for c in exp.cells(str(out_dir), tasks=tasks, methods=methods, settings=settings, seeds=seeds)}
@@ -222,8 +221,7 @@ def _run_tuned(exp: Experiment, *, output, tasks, methods, settings, seeds, dry_
     waited = False
     while not tables_only:
         plan = Plan(exp, out_dir, tasks=tasks, methods=methods, settings=settings, seeds=seeds,
-                    failed=list(run.failures),
-                    archive=archive)
+                    failed=list(run.failures), archive=archive)
         todo = plan.todo()
         cell = next((c for c in todo if claim(Path(c.config.output))), None)
         if cell is not None and cell.id in (*run.ran, *run.skipped):  # would loop forever

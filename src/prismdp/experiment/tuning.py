@@ -153,9 +153,7 @@ class Plan:
         self.settings = [s for s in exp.settings if not settings or s in settings]
         # ``seeds``: the seeds whose runs at the chosen rate are trained (the tuning runs, at ``tune_seed``, always are:
         # without them there is no chosen rate)
-        unknown = sorted(set(seeds or ()) - set(exp.seeds))
-        if unknown:
-            raise ConfigError(f"--seeds: {unknown} not in the experiment ({', '.join(map(str, exp.seeds))})")
+        exp.check_seeds(seeds)
         self.seeds = [s for s in exp.seeds if not seeds or s in seeds]
         self.groups: Dict[Tuple[str, str, str], GroupState] = {}
         self.refresh()

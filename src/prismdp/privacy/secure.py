@@ -71,10 +71,10 @@ class SecureRandom:
         self._key = int.from_bytes(key, "little")
         self._gen = np.random.Generator(ChaCha(key=self._key, rounds=20))  # uniforms: counters from 0
         self._draws = 0  # normal() calls so far: draw c uses the counters from c * 2^64 on
-        self._pool = None
+        self._pool, self._pool_size = None, 0
 
     def __getstate__(self) -> dict[str, Any]:  # a copy (deepcopy, pickle) gets its own threads when it draws
-        return {**self.__dict__, "_pool": None}
+        return {**self.__dict__, "_pool": None, "_pool_size": 0}
 
     def describe(self) -> dict[str, Any]:
         import randomgen
@@ -105,10 +105,11 @@ class SecureRandom:
         blocks = [(j, flat[s:s + BLOCK]) for j, s in enumerate(range(0, flat.size, BLOCK))]
         threads = min(torch.get_num_threads(), len(blocks))
         if threads > 1:
-            if self._pool is None or self._pool._max_workers < threads:
+            if self._pool_size < threads:
                 from concurrent.futures import ThreadPoolExecutor
 
-                self._pool = ThreadPoolExecutor(threads, thread_name_prefix="prismdp-secure-noise")
+                self._pool, self._pool_size = ThreadPoolExecutor(threads, thread_name_prefix="prismdp-secure-noise"), \
+                    threads
             list(self._pool.map(lambda b: self._block(draw, *b), blocks))
         else:
             for j, out in blocks:

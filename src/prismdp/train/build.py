@@ -130,17 +130,14 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
         check_delta(cfg.delta, data.n_units, allow_large=cfg.allow_large_delta, unit=cfg.privacy_unit)
     # --fsdp: every rank builds the model on the meta device, which is also the skeleton; rank 0 alone reads the
     # weights (below)
-    skeleton = load_model(cfg.model, task_type, num_labels, dtype=cfg.torch_dtype(), pooling=cfg.pooling,
-                          tokenizer=tokenizer, meta=True)[0] if cfg.fsdp else \
-        model_skeleton(cfg.model, task_type, num_labels, pooling=cfg.pooling)
+    def load(**kw):
+        return load_model(cfg.model, task_type, num_labels, dtype=cfg.torch_dtype(), pooling=cfg.pooling,
+                          tokenizer=tokenizer, **kw)[0]
+
+    skeleton = load(meta=True) if cfg.fsdp else model_skeleton(cfg.model, task_type, num_labels, pooling=cfg.pooling)
     if skeleton is not None:
         check_targets(skeleton, cfg.target_modules or default_targets(skeleton))
-    if cfg.fsdp:
-        model = skeleton
-    else:
-        model, tokenizer = load_model(cfg.model, task_type, num_labels, dtype=cfg.torch_dtype(), pooling=cfg.pooling,
-                                      tokenizer=tokenizer, quantize=cfg.quantize,
-                                      device=device if cfg.quantize else None)
+    model = skeleton if cfg.fsdp else load(quantize=cfg.quantize, device=device if cfg.quantize else None)
     del skeleton
     check_lengths(model, data)
     for key, count in data.notes.items():
@@ -155,8 +152,7 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
     if cfg.fsdp:  # rank 0 reads the weights into host memory, LoRA on them as on the skeleton
         whole = None
         if world.rank == 0:
-            whole = build_lora_model(cfg, load_model(cfg.model, task_type, num_labels, dtype=cfg.torch_dtype(),
-                                                     pooling=cfg.pooling, tokenizer=tokenizer)[0], task_type)[0]
+            whole = build_lora_model(cfg, load(), task_type)[0]
     elif not cfg.quantize:  # a quantized base is loaded on its device (bitsandbytes quantizes it there)
         model = model.to(device)
     if cfg.gradient_checkpointing:
