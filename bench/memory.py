@@ -41,7 +41,7 @@ MODELS = {
     "Llama-3.1-70B": dict(layers=80, hidden=8192, inter=28672, kv=1024, vocab=128256, params=70.6e9, tied=False),
 }
 WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "4bit": 0.5 + 4 / 64}  # NF4: 4 bits + a float32 absmax per 64
-CARDS = {"24 GB": 24, "80 GB": 80, "8 x 80 GB (FSDP)": 8 * 80}
+CARDS = {"24 GB": (24, 1), "80 GB": (80, 1), "8 x 24 GB (FSDP)": (24, 8), "8 x 80 GB (FSDP)": (80, 8)}  # (GB, GPUs)
 
 
 def _records(n: int = 64) -> list[dict]:
@@ -128,26 +128,21 @@ def _markdown(rows: list[dict], ext: dict, coeff: dict, env: dict, key: str = "b
               "- LoRA state = 4 (k + b) R bytes, R = sum over LoRA layers of (m + n) r, b = micro-batch (one "
               "per-example gradient each), k = 8 float32 copies of the factors (factors, clipped sum, noise, "
               "optimizer moments and work buffers).", "",
-              "| model | base | checkpointing | frozen | activations | LoRA state | total | 24 GB | 80 GB | "
-              "8 x 80 GB (FSDP) |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "| model | base | checkpointing | frozen | activations | LoRA state | total | " + " | ".join(CARDS) + " |",
+              "|---|---|---|---|---|---|---|" + "---|" * len(CARDS)]
     for e in ext:
         fits = []
-        for card, cap in CARDS.items():
-            if "FSDP" in card and e["weights"] == "4bit":
-                fits.append("refused (--fsdp shards a bf16 base, not a quantized one)")
-            elif "FSDP" in card:  # frozen weights sharded 8 ways, the rest per GPU
-                per_gpu = e["total_gb"] - e["frozen_gb"] * 7 / 8
-                fits.append(f"{'yes' if per_gpu <= 0.9 * 80 else 'no'} ({per_gpu:.0f} GB/GPU)")
-            else:
-                fits.append("yes" if e["total_gb"] <= 0.9 * cap else "no")
+        for cap, gpus in CARDS.values():
+            per_gpu = e["total_gb"] - e["frozen_gb"] * (gpus - 1) / gpus  # frozen weights sharded, the rest per GPU
+            fits.append(("yes" if per_gpu <= 0.9 * cap else "no") + (f" ({per_gpu:.0f} GB/GPU)" if gpus > 1 else ""))
         lines.append(f"| {e['model']} | {e['weights']} | {'yes' if e['checkpointing'] else 'no'} | "
                      f"{e['frozen_gb']:.1f} | {e['activations_gb']:.1f} | {e['lora_state_gb']:.2f} | "
                      f"{e['total_gb']:.1f} | {' | '.join(fits)} |")
     lines += ["", "A card fits when the total is at most 90 % of it (allocator fragmentation, CUDA context). "
-              "With FSDP (--fsdp) the frozen weights divide by 8 and the rest stays per GPU (the FSDP column is this "
-              "formula: FSDP ran on CPU/gloo here, never on GPUs); `prismdp train --fsdp` reads the whole model "
-              "into rank 0's host memory alone (70B in bf16: 141 GB), the other processes receive their shards from "
-              "it."]
+              "With FSDP (--fsdp; a 4-bit base is then held in torchao's NF4, which FSDP shards) the frozen weights "
+              "divide by 8 and the rest stays per GPU (the FSDP columns are this formula: FSDP ran on CPU/gloo here, "
+              "never on GPUs); `prismdp train --fsdp` reads the whole model into rank 0's host memory alone, in "
+              "--dtype (70B in bf16: 141 GB), the other processes receive their shards from it."]
     return "\n".join(lines) + "\n"
 
 

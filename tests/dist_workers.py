@@ -189,14 +189,17 @@ def _fsdp_batches():
     return [[0, 2, 4, 6]] + rest
 
 
-def fsdp_trajectory(rank: int, world_size: int, init_file: str, out: str, method: str, shard: bool) -> None:
+def fsdp_trajectory(rank: int, world_size: int, init_file: str, out: str, method: str, shard: bool,
+                    nf4: bool = False) -> None:
     """Train in float64 (each rank its shard of every batch, micro-batches of 2 through the library's micro-step loop);
-    rank 0 saves the trained tensors after every step, each rank what it holds of one frozen weight."""
+    rank 0 saves the trained tensors after every step, each rank what it holds of one frozen weight.  ``nf4``: the
+    blocks' frozen linear weights held in torchao's NF4 (sized for 2 shards, sharded or not)."""
     try:
         from helpers import tiny_llama
 
         from prismdp.engine import make_private
         from prismdp.losses import causal_lm_losses
+        from prismdp.quantized import is_nf4, quantize_nf4_layers
         from prismdp.sharding import is_sharded, shard_frozen_base
         from prismdp.train.step import backward_micro_batches, micro_batch_plan
 
@@ -204,7 +207,9 @@ def fsdp_trajectory(rank: int, world_size: int, init_file: str, out: str, method
         model = tiny_llama(r=2, targets=("q_proj", "v_proj", "down_proj")).double()
         full_q = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.detach().clone()
         if shard:
-            shard_frozen_base(model, world)
+            shard_frozen_base(model, world, quantize="nf4" if nf4 else None)
+        elif nf4:
+            quantize_nf4_layers(model, 2, keep={"lm_head"})
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(1, 120, (FSDP_N, FSDP_T), generator=g)
         labels = ids.clone()
@@ -227,7 +232,8 @@ def fsdp_trajectory(rank: int, world_size: int, init_file: str, out: str, method
         local = q.to_local() if is_sharded(q) else q
         info = {"lockstep": private.lockstep, "sharded": is_sharded(q), "local_rows": int(local.shape[0]),
                 "full_rows": int(full_q.shape[0]), "trained_sharded": any(is_sharded(p) for p in
-                                                                         model.parameters() if p.requires_grad)}
+                                                                         model.parameters() if p.requires_grad),
+                "nf4": sum(is_nf4(p) for p in model.parameters())}
         torch.save({"traj": traj, "info": info}, out + f".{rank}")
         _close()
     except Exception:  # noqa: BLE001
@@ -275,6 +281,7 @@ def fsdp_build(rank: int, world_size: int, init_file: str, out: str, cfg: dict) 
     try:
         from transformers import modeling_utils
 
+        from prismdp.quantized import is_nf4
         from prismdp.sharding import full_weight
         from prismdp.train.build import build_run
         from prismdp.train.config import TrainConfig
@@ -289,9 +296,11 @@ def fsdp_build(rank: int, world_size: int, init_file: str, out: str, cfg: dict) 
         modeling_utils.PreTrainedModel.from_pretrained = classmethod(counting)
         world = _init(rank, world_size, init_file)
         run = build_run(TrainConfig(**cfg), world=world, log=lambda *a: None)
-        state = {k: full_weight(v).detach().clone() for k, v in run.model.state_dict().items()}
+        state = {k: full_weight(v).detach() for k, v in run.model.state_dict().items()}
+        state = {k: (v.get_original_weight() if is_nf4(v) else v).clone() for k, v in state.items()}
         buffers = {k: v.detach().clone() for k, v in run.model.named_buffers()}
-        torch.save({"reads": reads, "state": state, "buffers": buffers, "rng": torch.get_rng_state()},
+        nf4 = sorted(k for k, v in run.model.state_dict().items() if is_nf4(v))
+        torch.save({"reads": reads, "state": state, "buffers": buffers, "rng": torch.get_rng_state(), "nf4": nf4},
                    out + f".{rank}")
         _close()
     except Exception:  # noqa: BLE001

@@ -29,7 +29,7 @@ def test_a_sharded_base_follows_the_one_process_trajectory(tmp_path, method):
     for r in (0, 1):
         b = torch.load(f"{two}.{r}")
         assert b["info"] == {"lockstep": True, "sharded": True, "local_rows": 16, "full_rows": 32,
-                             "trained_sharded": False}
+                             "trained_sharded": False, "nf4": 0}
         assert len(b["traj"]) == len(a["traj"]) == 6
         for step_a, step_b in zip(a["traj"], b["traj"]):
             for x, y in zip(step_a, step_b):
@@ -37,6 +37,34 @@ def test_a_sharded_base_follows_the_one_process_trajectory(tmp_path, method):
     assert a["info"]["lockstep"] is False
     moved = float((a["traj"][-1][0] - a["traj"][0][0]).abs().max())
     assert moved > 1e-3
+
+
+def test_a_sharded_nf4_base_follows_the_one_process_nf4_trajectory(tmp_path):
+    """QLoRA sharded (torchao's NF4 under FSDP2): two gloo ranks, each block's 7 frozen linear weights held in NF4 and
+    split into row shards (NF4 inner tensors and all), follow the float64 PRISM trajectory of one process holding the
+    same NF4 weights unsharded to 1e-10 (the rank-r start de-quantizes the gathered layer; FSDP's all-gather of the
+    NF4 shards gives back the very weight); and the NF4 run differs from the float-base run (the weights are
+    really 4-bit)."""
+    pytest.importorskip("torchao")
+    runs = {}
+    for name, world, shard, nf4 in (("one", 1, False, True), ("two", 2, True, True), ("float", 1, False, False)):
+        out = tmp_path / name
+        if world == 1:
+            dist_workers.fsdp_trajectory(0, 1, "", str(out), "prism", shard, nf4)
+        else:
+            codes = _spawn(dist_workers.fsdp_trajectory, 2, tmp_path, str(out), "prism", shard, nf4)
+            errs = sorted(tmp_path.glob(f"{name}.err*"))
+            assert codes == [0, 0], errs[0].read_text() if errs else codes
+        runs[name] = [torch.load(f"{out}.{r}") for r in range(world)]
+    assert runs["one"][0]["info"]["nf4"] == 14 and runs["one"][0]["info"]["sharded"] is False
+    for b in runs["two"]:
+        assert b["info"] == {"lockstep": True, "sharded": True, "local_rows": 16, "full_rows": 32,
+                             "trained_sharded": False, "nf4": 14}
+        for step_a, step_b in zip(runs["one"][0]["traj"], b["traj"], strict=True):
+            for x, y in zip(step_a, step_b):
+                torch.testing.assert_close(y, x, rtol=1e-10, atol=1e-10)
+    gap = max(float((x - y).abs().max()) for x, y in zip(runs["one"][0]["traj"][-1], runs["float"][0]["traj"][-1]))
+    assert gap > 1e-4, gap
 
 
 def test_a_killed_rank_gives_the_clear_error_inside_a_sharded_forward(tmp_path):
@@ -79,6 +107,40 @@ def test_fsdp_reads_the_weights_on_rank_0_alone_and_every_rank_gets_the_one_proc
         for k, v in want_buffers.items():
             assert torch.equal(got["buffers"][k], v), (rank, k)
     assert torch.equal(torch.load(f"{out}.0")["rng"], want_rng)  # (make_private then reseeds each rank's own)
+
+
+def test_fsdp_with_a_4bit_base_shards_torchaos_nf4_of_rank_0s_weights(tiny_llama_dir, tmp_path):
+    """prismdp train --fsdp --quantize 4bit (build_run): rank 1 never reads the weights; on both ranks every frozen
+    linear weight of the blocks (7 per block) is an NF4 tensor whose de-quantization is exactly torchao's NF4 of the
+    float weight rank 0 read (sized for 2 shards), while the embeddings, norms and lm_head stay as read; the LoRA
+    factors (after the rank-r start from the de-quantized weights) are the same on both ranks."""
+    pytest.importorskip("torchao")
+    from prismdp.models import load_model
+    from prismdp.quantized import to_nf4_weight
+
+    cfg = dict(model=tiny_llama_dir, task="instruct", data=str(_math_file(tmp_path / "data")), steps=4,
+               batch_size=8, micro_batch_size=2, rank=2, alpha=2, max_length=48, lr=1e-2, delta=1e-3, seed=3,
+               output=str(tmp_path / "run"), fsdp=True, quantize="4bit")
+    out = tmp_path / "two"
+    codes = _spawn(dist_workers.fsdp_build, 2, tmp_path, str(out), cfg)
+    errs = sorted(tmp_path.glob("two.err*"))
+    assert codes == [0, 0], errs[0].read_text() if errs else codes
+    float_model = load_model(tiny_llama_dir, "causal_lm")[0]
+    want = {k: v for k, v in float_model.state_dict().items()}
+    got = [torch.load(f"{out}.{rank}") for rank in (0, 1)]
+    assert [g["reads"] for g in got] == [["LlamaForCausalLM"], []]
+    for g in got:
+        assert len(g["nf4"]) == 2 * 7 and all(".layers." in k for k in g["nf4"]), g["nf4"]
+        for key, value in g["state"].items():
+            name = key.replace("base_model.model.", "", 1).replace(".base_layer", "")
+            if key in g["nf4"]:
+                assert torch.equal(value, to_nf4_weight(want[name], 2).get_original_weight()), key
+                assert not torch.equal(value, want[name]), key
+            elif "lora_" not in key:
+                assert torch.equal(value, want[name]), key
+    for key in got[0]["state"]:
+        if "lora_" in key:
+            assert torch.equal(got[0]["state"][key], got[1]["state"][key]), key
 
 
 def _math_file(folder):
@@ -128,6 +190,36 @@ def test_torchrun_fsdp_run_matches_the_one_process_privacy_report_resumes_and_ex
     model = PeftModel.from_pretrained(base, str(two / "adapter"))
     out = model(input_ids=torch.tensor([[5, 6, 7]])).logits
     assert torch.isfinite(out).all()
+
+
+def test_torchrun_fsdp_with_a_4bit_base_trains_accounts_as_one_process_and_exports_a_stock_adapter(tiny_llama_dir,
+                                                                                                    tmp_path):
+    """`torchrun --nproc-per-node 2 -m prismdp train --fsdp --quantize 4bit`: says how many layers it holds in NF4,
+    writes the privacy.json of the unquantized one-process run (world_size aside: the mechanism does not see the
+    base's storage), and an adapter that stock PEFT loads on the original float base."""
+    pytest.importorskip("torchao")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from prismdp.cli import main
+
+    train = _math_file(tmp_path / "data")
+    common = ["--model", tiny_llama_dir, "--task", "instruct", "--data", str(train), "--steps", "3",
+              "--batch-size", "8", "--micro-batch-size", "2", "--rank", "2", "--alpha", "2", "--max-length", "48",
+              "--lr", "1e-2", "--delta", "1e-3", "--eval-tasks", "gsm8k", "--eval-examples", "2",
+              "--max-new-tokens", "4"]
+    assert main(["train", *common, "--quiet", "--output", str(tmp_path / "one")]) == 0
+    two = tmp_path / "two"
+    res = torchrun(2, ["-m", "prismdp", "train", *common, "--fsdp", "--quantize", "4bit", "--output", str(two)],
+                   tmp_path, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "4-bit base sharded (torchao NF4): 14 linear layers" in res.stdout + res.stderr
+    one = json.loads((tmp_path / "one" / "privacy.json").read_text())
+    got = json.loads((two / "privacy.json").read_text())
+    assert one.pop("world_size") == 1 and got.pop("world_size") == 2
+    assert one == got
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), str(two / "adapter"))
+    assert torch.isfinite(model(input_ids=torch.tensor([[5, 6, 7]])).logits).all()
 
 
 def test_private_trainer_with_the_trainers_fsdp_setting_shards_the_base_and_trains_the_same_adapter(tiny_bert_dir,

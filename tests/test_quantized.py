@@ -22,6 +22,7 @@ from prismdp.grad_sample import GradSampler  # noqa: E402
 from prismdp.lora import LoraSetupError, find_lora_pairs, move_to_rank_r_start, quantized_base  # noqa: E402
 from prismdp.losses import causal_lm_losses  # noqa: E402
 from prismdp.models import ModelLoadError, load_model, quantize_linear_layers  # noqa: E402
+from prismdp.quantized import nf4_scaler_block_size, quantize_nf4_layers, to_nf4_weight  # noqa: E402
 from prismdp.train.config import ConfigError, TrainConfig  # noqa: E402
 
 TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
@@ -41,6 +42,8 @@ def dequantize(layer):
     import bitsandbytes.functional as F
 
     w = layer.weight
+    if w.__class__.__name__ == "NF4Tensor":  # torchao's own de-quantization
+        return w.get_original_weight()
     if w.__class__.__name__ == "Params4bit":
         return F.dequantize_4bit(w.data, w.quant_state)
     return w.data.float() * w.SCB.float().unsqueeze(1) / 127  # LLM.int8: row-wise absmax scales
@@ -49,7 +52,11 @@ def dequantize(layer):
 def quantized_and_reference(float_model, kind):
     """(the model quantized, the same model in float32 with every quantized weight de-quantized)."""
     q = copy.deepcopy(float_model)
-    names = quantize_linear_layers(q, kind)
+    if kind == "nf4":
+        names, left = quantize_nf4_layers(q.requires_grad_(False), keep={"lm_head"})
+        assert not left
+    else:
+        names = quantize_linear_layers(q, kind)
     ref = copy.deepcopy(float_model)
     for name in names:
         ref.get_submodule(name).weight.data.copy_(dequantize(q.get_submodule(name)).float())
@@ -78,19 +85,26 @@ def per_example(model, pairs, b):
     return [(gb.clone(), ga.clone()) for gb, ga in grads.lora]
 
 
-@pytest.mark.parametrize("kind, tol", [("4bit", 1e-5), ("8bit", 2e-2)])
+def stored(weight):
+    """What a quantized weight stores (NF4: its 4-bit codes; bitsandbytes: its packed data)."""
+    return (weight.quantized_data if weight.__class__.__name__ == "NF4Tensor" else weight.data).clone()
+
+
+@pytest.mark.parametrize("kind, tol", [("4bit", 1e-5), ("8bit", 2e-2), ("nf4", 1e-5)])
 def test_per_example_gradients_equal_those_of_the_dequantized_float32_model(kind, tol):
     """After PRISM's rank-r start (computed from the de-quantized W0 and kept in the LoRA branch), a quantized-base
     model computes the function of its de-quantized float32 twin and has its per-example gradients: to 1e-5 relative
-    at 4 bits (bitsandbytes' CPU 4-bit matmul de-quantizes to float32), 2e-2 at 8 bits (LLM.int8 computes the base
-    product in float16 on CPU).  The quantized weights are never rewritten."""
+    at 4 bits (bitsandbytes' CPU 4-bit matmul de-quantizes to float32; torchao's NF4 too), 2e-2 at 8 bits (LLM.int8
+    computes the base product in float16 on CPU).  The quantized weights are never rewritten."""
+    if kind == "nf4":
+        pytest.importorskip("torchao")
     base = tiny_llama()
     q, ref, names = quantized_and_reference(base, kind)
     assert len(names) == 2 * 7  # q/k/v/o/gate/up/down of both blocks; lm_head stays float
     q, ref = lora(q), lora(ref)
     qp, rp = find_lora_pairs(q), find_lora_pairs(ref)
     assert all(quantized_base(p) == kind for p in qp) and not any(quantized_base(p) for p in rp)
-    packed = {p.name: p.layer.get_base_layer().weight.data.clone() for p in qp}
+    packed = {p.name: stored(p.layer.get_base_layer().weight) for p in qp}
     b = batch()
     with torch.no_grad():
         before = q(input_ids=b["input_ids"]).logits
@@ -101,7 +115,7 @@ def test_per_example_gradients_equal_those_of_the_dequantized_float32_model(kind
         for w, v in zip(r.params, p.params):
             w.data.copy_(v.data)
     for p in qp:
-        assert torch.equal(p.layer.get_base_layer().weight.data, packed[p.name])
+        assert torch.equal(stored(p.layer.get_base_layer().weight), packed[p.name])
     with torch.no_grad():
         after, want = q(input_ids=b["input_ids"]).logits, ref(input_ids=b["input_ids"]).logits
     scale = float(want.abs().max())
@@ -360,3 +374,72 @@ def test_a_model_folder_is_quantized_while_loading_and_gets_peft_bnb_lora_layers
     assert type(model.lm_head) is nn.Linear
     pairs = find_lora_pairs(lora(model))
     assert len(pairs) == 2 * 4 and all(quantized_base(p) == kind for p in pairs)
+
+
+# --- torchao's NF4 (the 4-bit base that FSDP shards: --quantize 4bit --fsdp) ---------------------------------------
+
+def test_torchaos_nf4_is_the_nf4_of_bitsandbytes():
+    """The two NF4 implementations, independent of each other, agree: de-quantized values relative to their block's
+    absmax equal within 0.02 (the scales' own 8-bit quantization) at all but 0.1 % of the weights (a code flipped at a
+    rounding boundary); the NF4 error itself is 50x larger than their mean difference."""
+    pytest.importorskip("torchao")
+    import bitsandbytes.functional as F
+
+    torch.manual_seed(0)
+    w = torch.randn(256, 512) * 0.02
+    ours = to_nf4_weight(w).get_original_weight()
+    packed, state = F.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=False)
+    theirs = F.dequantize_4bit(packed, state)
+    absmax = w.reshape(-1, 64).abs().amax(1, keepdim=True)
+    rel = ((ours - theirs).reshape(-1, 64) / absmax).abs()
+    assert float((rel > 0.02).float().mean()) < 1e-3
+    assert float((ours - w).abs().mean()) > 50 * float((ours - theirs).abs().mean())
+
+
+@pytest.mark.parametrize("shape, world, size", [
+    ((4096, 4096), 8, 256),  # an 8B model's attention: QLoRA's default groups of 256 scales
+    ((576, 576), 1, 64),     # SmolLM2: 5184 blocks = 2^6 * 81
+    ((576, 576), 2, 32),     # ... 81 groups of 64 cannot be halved: groups of 32 (162)
+    ((192, 576), 2, 32),     # 1728 blocks = 2^6 * 27
+    ((32, 32), 2, 8),        # 16 blocks
+    ((48, 2), 1, None),      # 96 weights: not whole blocks of 64
+    ((64, 64), 128, None),   # 64 blocks cannot make 128 shards
+])
+def test_nf4_scale_groups_fit_the_shards(shape, world, size):
+    numel = shape[0] * shape[1]
+    assert nf4_scaler_block_size(numel, world) == size
+    if size is not None:
+        blocks = numel // 64
+        assert blocks % size == 0 and (blocks // size) % world == 0
+
+
+def test_nf4_layers_leave_heads_trained_and_odd_shapes_in_float():
+    pytest.importorskip("torchao")
+    from prismdp.quantized import is_nf4
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 3), nn.Linear(64, 128)).requires_grad_(False)
+    model[2].requires_grad_(True)
+    done, left = quantize_nf4_layers(model, keep={"1"})
+    assert (done, left) == (["0"], [])
+    assert is_nf4(model[0].weight) and not is_nf4(model[1].weight) and not is_nf4(model[2].weight)
+    odd = nn.Sequential(nn.Linear(6, 5)).requires_grad_(False)
+    assert quantize_nf4_layers(odd) == ([], ["0"])
+
+
+def test_fsdp_refuses_bitsandbytes_weights_and_8bit_and_names_the_fix(monkeypatch):
+    """FSDP cannot shard bitsandbytes' packed weights: shard_frozen_base says so (before any collective) and names the
+    NF4 route; --fsdp --quantize 8bit is refused before anything is loaded; --fsdp --quantize 4bit without torchao
+    names the install."""
+    from prismdp.sharding import ShardingError, shard_frozen_base
+    from prismdp.train.build import build_run
+
+    q = lora(quantized_and_reference(tiny_llama(), "4bit")[0])
+    with pytest.raises(ShardingError, match="bitsandbytes-quantized.*quantize='nf4'"):
+        shard_frozen_base(q, None)
+    world = type("World", (), {"size": 2, "rank": 0})()
+    with pytest.raises(ConfigError, match="8bit.*--quantize 4bit"):
+        build_run(TrainConfig(task="instruct", fsdp=True, quantize="8bit"), world=world)
+    monkeypatch.setitem(__import__("sys").modules, "torchao", None)
+    monkeypatch.setitem(__import__("sys").modules, "torchao.quantization", None)
+    with pytest.raises(ConfigError, match="pip install 'torchao"):
+        build_run(TrainConfig(task="instruct", fsdp=True, quantize="4bit"), world=world)

@@ -243,7 +243,18 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _quiet_optional_backends() -> None:
+    """transformers imports torchao wherever it is installed; on a CPU build torchao then logs a warning for each
+    CUDA kernel it cannot load (and torch one for each enum it registers): noise on every command, none of it
+    about this run."""
+    import logging
+
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _quiet_optional_backends()
     from .distributed import PeerLostError, ReplicaDivergenceError
     from .models import ModelLoadError
     from .privacy import BudgetExhaustedError

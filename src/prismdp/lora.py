@@ -18,7 +18,8 @@ For layers with LoRA dropout :func:`move_to_rank_r_start` therefore leaves ``W0`
 branch subtract ``Z0`` itself (:class:`StartDropoutCompensation`), so the layer computes ``W0 x + (Z - Z0) drop(x)``:
 ordinary LoRA dropout on the update, which is also what the exported rank-2r adapter computes on the original base.
 
-Quantized base (QLoRA: PEFT's bitsandbytes LoRA layers ``Linear4bit`` / ``Linear8bitLt``): the base weight is stored
+Quantized base (QLoRA: PEFT's bitsandbytes LoRA layers ``Linear4bit`` / ``Linear8bitLt``, or a LoRA ``Linear`` whose
+base weight is a torchao ``NF4Tensor``, sharded or not: :mod:`prismdp.quantized`): the base weight is stored
 in 4 or 8 bits and must never be rewritten (``W0 - Z0`` re-quantized would change the model by a new quantization
 error, and the quantized storage has no room for the update).  The start is computed from the *de-quantized* ``W0``
 (what the layer actually multiplies by), one layer at a time, so the peak memory is one layer's float copy, never the
@@ -39,7 +40,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from . import geometry
-from .quantized import dequantized_weight
+from .quantized import dequantized_weight, is_nf4
 from .sharding import assign_weight, full_weight
 
 __all__ = [
@@ -115,10 +116,12 @@ def _is_lora_linear(module: nn.Module) -> bool:
 
 
 def quantized_base(pair: LoraPair) -> str | None:
-    """``"4bit"`` / ``"8bit"`` where the pair's base layer holds a bitsandbytes-quantized weight, else None."""
+    """``"4bit"`` / ``"8bit"`` where the pair's base layer holds a bitsandbytes-quantized weight, ``"nf4"`` where it
+    holds a torchao ``NF4Tensor`` (sharded or not), else None."""
     from peft.utils.integrations import get_bnb_param_type
 
-    return get_bnb_param_type(pair.layer.get_base_layer().weight) or None
+    weight = pair.layer.get_base_layer().weight
+    return "nf4" if is_nf4(weight) else get_bnb_param_type(weight) or None
 
 
 def freeze_lora_A(model: nn.Module, adapter: str = "default") -> None:

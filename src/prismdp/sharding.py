@@ -17,8 +17,11 @@ What changes for the rest of the run:
   (:func:`full_weight`) and writes back only each rank's shard (:func:`assign_weight`);
 * evaluation runs on every rank (the forward is a collective); rank 0 alone writes the files;
 * ``prismdp train --fsdp`` reads the weights on rank 0 alone: the other ranks build the model on the meta device,
-  and after sharding every rank receives its shards from rank 0 (:func:`fill_from_rank0`), so host memory holds one
-  whole model (rank 0's), not one per process.
+  and block by block every rank receives the block from rank 0 and shards it (:func:`shard_from_rank0`), so host
+  memory holds one whole model (rank 0's), not one per process;
+* ``--quantize 4bit --fsdp`` (QLoRA sharded): each block's frozen linear weights are held in torchao's NF4 before
+  the block is sharded (FSDP2 cannot shard bitsandbytes' packed weights; torchao's ``NF4Tensor`` shards and
+  all-gathers as it is); the rank-r start de-quantizes one gathered layer at a time.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from typing import Iterable
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ShardingError", "check_world", "shard_frozen_base", "fill_from_rank0", "is_sharded", "full_weight",
+from .quantized import quantize_nf4_layers
+
+__all__ = ["ShardingError", "check_world", "shard_frozen_base", "shard_from_rank0", "is_sharded", "full_weight",
            "assign_weight", "block_classes"]
 
 
@@ -78,56 +83,108 @@ def block_classes(model: nn.Module) -> set[str]:
     return names
 
 
-def shard_frozen_base(model: nn.Module, world, blocks: Iterable[str] | None = None) -> list[nn.Module]:
-    """Shard ``model``'s frozen weights across ``world``'s processes with FSDP2, in place: ``fully_shard`` on every
-    block (``blocks``: class names; default :func:`block_classes`), then on the transformers model (inside a PEFT
-    model's wrappers), each with the trained parameters left out (``ignored_params``).  Returns the sharded modules
-    (the root last).  Call it after LoRA is
-    on the model and before :func:`prismdp.engine.make_private` (whose rank-r start then gathers one layer at a time).
-    """
+def _shard_units(model: nn.Module, world, blocks, prepare) -> None:
+    """``fully_shard`` every block of ``model`` (class names ``blocks``; default :func:`block_classes`), then the
+    transformers model inside PEFT's wrappers, each with the trained parameters left out (``ignored_params``);
+    ``prepare(name, unit, is_block)`` runs on each unit just before it is sharded."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    _refuse_bitsandbytes(model)
     check_world(world)
     if is_sharded(model):
         raise ShardingError("the model is sharded already (it holds DTensor parameters); shard it once")
     names = set(blocks) if blocks is not None else block_classes(model)
-    units = [m for m in model.modules() if type(m).__name__ in names]
+    units = [(name, m, True) for name, m in model.named_modules() if type(m).__name__ in names]
     if not units:
         raise ShardingError(f"no block of {type(model).__name__} to shard: the model lists no _no_split_modules "
                             "(transformers models do). Fix: pass blocks=[<the class name of its layers>].")
-    mesh = init_device_mesh(world.device.type, (world.size,))
-    trained = {p for p in model.parameters() if p.requires_grad}
-    sharded = []
-    for unit in units:
-        fully_shard(unit, mesh=mesh, ignored_params={p for p in unit.parameters() if p in trained})
-        sharded.append(unit)
     # the root unit is the transformers model inside PEFT's wrappers: generate() and PEFT's forward both call its
     # forward, whose hooks gather the weights outside the blocks (embeddings, final norm, head)
     root = model.get_base_model() if hasattr(model, "get_base_model") else model
-    fully_shard(root, mesh=mesh, ignored_params={p for p in root.parameters() if p in trained})
-    sharded.append(root)
-    return sharded
+    units.append((next(name for name, m in model.named_modules() if m is root), root, False))
+    mesh = init_device_mesh(world.device.type, (world.size,))
+    for name, unit, is_block in units:
+        prepare(name, unit, is_block)
+        fully_shard(unit, mesh=mesh, ignored_params={p for p in unit.parameters() if p.requires_grad})
 
 
-def fill_from_rank0(model: nn.Module, world, whole: nn.Module | None) -> None:
-    """Give a sharded ``model`` its values from rank 0, where ``whole`` is the same model (LoRA on it) loaded whole
-    into host memory (None on the other ranks, whose model was built on the meta device, like ``model`` on rank 0).
-    Every rank's model is first materialised on ``world.device`` (shards only); then FSDP's broadcast from rank 0
-    fills the parameters (each rank keeps its shard, the replicated LoRA tensors whole) and the buffers (rotary
-    frequencies and the like, which a state dict may leave out) are broadcast: every rank then holds what it would
-    had it loaded the model itself.  A collective: every rank calls it."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+def _refuse_bitsandbytes(model: nn.Module) -> None:
+    packed = [name for name, p in model.named_parameters() if type(p).__name__ in ("Params4bit", "Int8Params")]
+    if packed:
+        raise ShardingError(f"{packed[0]} is a bitsandbytes-quantized weight, which FSDP cannot shard. Fix: load the "
+                            "base in bf16 and shard it with quantize='nf4' (torchao's NF4, the same 4-bit format; "
+                            "prismdp train --fsdp --quantize 4bit does this), or shard it unquantized")
 
+
+def _quantizer(quantize: str | None, world, quantized: dict):
+    """The ``prepare`` step that holds a block's frozen linear weights in NF4 (names into ``quantized``)."""
+    if quantize not in (None, "nf4"):
+        raise ShardingError(f"quantize must be None or 'nf4' (torchao's NF4, 4 bits), got {quantize!r}")
+
+    def prepare(name, unit, is_block):
+        if quantize and is_block:
+            done, left = quantize_nf4_layers(unit, world.size)
+            quantized.setdefault("nf4", []).extend(f"{name}.{n}" for n in done)
+            quantized.setdefault("float", []).extend(f"{name}.{n}" for n in left)
+    return prepare
+
+
+def shard_frozen_base(model: nn.Module, world, blocks: Iterable[str] | None = None,
+                      quantize: str | None = None) -> dict[str, list[str]]:
+    """Shard ``model``'s frozen weights across ``world``'s processes with FSDP2, in place: ``fully_shard`` on every
+    block (``blocks``: class names; default :func:`block_classes`), then on the transformers model (inside a PEFT
+    model's wrappers), each with the trained parameters left out (``ignored_params``).  ``quantize="nf4"``: each
+    block's frozen linear weights are first held in torchao's NF4 (4 bits; QLoRA's format), one block at a time.
+    Call it after LoRA is on the model and before :func:`prismdp.engine.make_private` (whose rank-r start then
+    gathers one layer at a time).  Returns the names of the layers held in NF4 (``"nf4"``) and of those left in
+    float because of their shape (``"float"``)."""
+    quantized: dict[str, list[str]] = {}
+    _shard_units(model, world, blocks, _quantizer(quantize, world, quantized))
+    return quantized
+
+
+def shard_from_rank0(model: nn.Module, world, whole: nn.Module | None, blocks: Iterable[str] | None = None,
+                     quantize: str | None = None) -> dict[str, list[str]]:
+    """:func:`shard_frozen_base` for a ``model`` built on the meta device (the same on every rank), whose values come
+    from ``whole``: the same model (LoRA on it) loaded whole into host memory on rank 0 (None on the other ranks).
+    Unit by unit, each rank makes the unit's tensors on ``world.device`` with rank 0's values (broadcast), holds its
+    linear weights in NF4 if asked, and shards it; tensors outside every unit (and buffers, which a state dict may
+    leave out: rotary frequencies) are broadcast whole.  Every rank then holds what it would had it loaded the model
+    itself, and no rank ever holds more than one block whole besides its shards.  A collective."""
     if (world.rank == 0) != (whole is not None):
-        raise ShardingError("fill_from_rank0: rank 0 passes the model it loaded, the other ranks None")
-    model.to_empty(device=world.device)
-    set_model_state_dict(model, whole.state_dict() if whole is not None else {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    source = dict(whole.named_buffers()) if whole is not None else {}
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if whole is not None:
-                buffer.copy_(source[name])
-            dist.broadcast(buffer, 0)
+        raise ShardingError("shard_from_rank0: rank 0 passes the model it loaded, the other ranks None")
+    source = dict(whole.named_modules()) if whole is not None else None
+    made: dict[int, tuple[Tensor, Tensor]] = {}
+    quantize_block = _quantizer(quantize, world, quantized := {})
+
+    def prepare(name, unit, is_block):
+        _from_rank0(unit, name, world, source, made)
+        quantize_block(name, unit, is_block)
+
+    _shard_units(model, world, blocks, prepare)
+    _from_rank0(model, "", world, source, made)
+    return quantized
+
+
+@torch.no_grad()
+def _from_rank0(module: nn.Module, prefix: str, world, source: dict | None, made: dict) -> None:
+    """Replace every meta tensor of ``module`` (named from ``prefix``) by one on ``world.device`` holding rank 0's
+    value of it (``source``: rank 0's modules by name), broadcast from rank 0; tied tensors stay tied (``made``)."""
+    import torch.distributed as dist
+
+    for name, mod in module.named_modules(prefix=prefix):
+        for table in ("_parameters", "_buffers"):
+            tensors = getattr(mod, table)
+            for key, meta in list(tensors.items()):
+                if meta is None or not meta.is_meta:
+                    continue
+                if id(meta) not in made:
+                    value = torch.empty_like(meta, device=world.device)
+                    if source is not None:
+                        value.copy_(getattr(source[name], table)[key])
+                    dist.broadcast(value, 0)
+                    if table == "_parameters":
+                        value = nn.Parameter(value, requires_grad=meta.requires_grad)
+                    made[id(meta)] = (meta, value)  # the meta tensor kept alive: its id stays its own
+                tensors[key] = made[id(meta)][1]

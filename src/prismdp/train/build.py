@@ -14,7 +14,8 @@ from ..distributed import World
 from ..engine import METHODS, PrivateLoRA, make_private
 from ..models import enable_gradient_checkpointing, load_model, load_tokenizer, model_skeleton
 from ..privacy import check_delta
-from ..sharding import check_world, fill_from_rank0, shard_frozen_base
+from ..quantized import nf4_available
+from ..sharding import check_world, shard_from_rank0
 from .config import ConfigError, TrainConfig
 from .tasks import TaskData, build_task_data, default_targets, lora_exclude_modules, task_head
 
@@ -112,10 +113,15 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
     check_method(cfg.method)
     if cfg.fsdp:
         check_world(world)
+        if cfg.quantize == "8bit":
+            raise ConfigError("--fsdp with --quantize 8bit: FSDP cannot shard bitsandbytes' int8 weights. Fix: "
+                              "--quantize 4bit (sharded as torchao's NF4), or shard a bf16 base (--fsdp --dtype "
+                              "bfloat16), or quantize it in each process (--quantize 8bit without --fsdp)")
         if cfg.quantize:
-            raise ConfigError("--fsdp with --quantize: FSDP shards float weights, not bitsandbytes' packed ones. Fix: "
-                              "either shard a bf16 base across the processes (--fsdp --dtype bfloat16) or quantize it "
-                              "in each process (--quantize without --fsdp)")
+            try:
+                nf4_available()
+            except ImportError as e:
+                raise ConfigError(str(e)) from None
     lr = cfg.lr if cfg.lr is not None else default_lr(cfg)
     torch.manual_seed(cfg.seed)  # the same initial model on every rank (seeds every CUDA device too)
     device = cfg.torch_device(world)
@@ -158,9 +164,12 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if cfg.fsdp:  # before make_private: its rank-r start then gathers W0 one layer at a time
-        shard_frozen_base(model, world)
-        fill_from_rank0(model, world, whole)
+        held = shard_from_rank0(model, world, whole, quantize="nf4" if cfg.quantize else None)
         del whole
+        if cfg.quantize:
+            left = held.get("float", [])
+            log(f"[prismdp] 4-bit base sharded (torchao NF4): {len(held.get('nf4', []))} linear layers"
+                + (f"; {len(left)} left in float (shape not a multiple of the NF4 blocks): {left[:3]}" if left else ""))
     private = make_private(
         model, method=cfg.method, lr=lr, dataset_size=data.n_units, batch_size=cfg.batch_size, steps=cfg.steps,
         target_epsilon=cfg.epsilon if cfg.dp else None, delta=cfg.delta, max_grad_norm=cfg.max_grad_norm,

@@ -60,7 +60,8 @@ class TrainConfig:
                       choices=("float32", "bfloat16", "float16"))
     quantize: str | None = _opt(None, "hold the frozen base in bitsandbytes' 4 bits (NF4, QLoRA) or 8 bits (LLM.int8), "
                                       "computing in --dtype; the LoRA factors and the whole mechanism stay float32 "
-                                      "(needs bitsandbytes)", choices=("4bit", "8bit"))
+                                      "(needs bitsandbytes; with --fsdp, 4 bits are torchao's NF4, which FSDP shards: "
+                                      "needs torchao)", choices=("4bit", "8bit"))
     gradient_checkpointing: bool = _opt(False, "recompute each transformer block in the backward pass (less memory, "
                                                "about one more forward of compute; per-example gradients exact)")
     fsdp: bool = _opt(False, "under torchrun: shard the frozen base model across the processes with FSDP2 (each "
