@@ -319,7 +319,7 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
     loaded by :func:`load_tokenizer` (not loaded again).  ``quantize`` ``"4bit"`` / ``"8bit"``: the base in
     bitsandbytes' NF4 / int8 (compute dtype ``dtype``), loaded on ``device`` (default cpu).  ``meta=True``: the same
     model built on the meta device from its configuration, no weight read and no random number drawn (the processes
-    of a sharded run other than rank 0, which receive their shards from it: :func:`prismdp.sharding.fill_from_rank0`).
+    of a sharded run other than rank 0, which receive their shards from it: :func:`prismdp.sharding.shard_from_rank0`).
     """
     from .heads import POOLINGS, MeanPoolingClassifier
 
