@@ -69,6 +69,36 @@ def test_secure_noise_does_not_depend_on_the_number_of_threads(monkeypatch):
     assert scipy.stats.kstest(torch.cat([first, second]).double().numpy(), "norm").pvalue > 1e-3
 
 
+def test_noise_threads_set_the_pool_whatever_torchs_threads(monkeypatch):
+    """SecureRandom(threads=3) draws on 3 threads where torch has 1 (torchrun's default), the same values as on 1;
+    --noise-threads is refused without --secure-noise, and must be a positive integer."""
+    import threading
+
+    import prismdp.privacy.secure as secure
+    from prismdp.train.config import ConfigError, TrainConfig
+
+    monkeypatch.setattr(secure, "BLOCK", 1000)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = SecureRandom(KEY, threads=1).normal((10_007,), torch.float32, "cpu")
+        gen = SecureRandom(KEY, threads=3)
+        three = gen.normal((10_007,), torch.float32, "cpu")
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, three)
+    assert gen._pool_size == 3
+    assert sum(t.name.startswith("prismdp-secure-noise") for t in threading.enumerate()) >= 3
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="threads"):
+            SecureRandom(KEY, threads=bad)
+    with pytest.raises(ConfigError, match="noise_threads.*--secure-noise"):
+        TrainConfig(noise_threads=4)
+    with pytest.raises(ConfigError, match="noise_threads"):
+        TrainConfig(noise_threads=0, secure_noise=True)
+    assert TrainConfig(noise_threads=4, secure_noise=True).noise_threads == 4
+
+
 def test_secure_streams_are_keyed_from_the_os_and_take_no_seed():
     a, b = SecureRandom().normal((64,), torch.float64, "cpu"), SecureRandom().normal((64,), torch.float64, "cpu")
     assert not torch.equal(a, b)
@@ -78,6 +108,12 @@ def test_secure_streams_are_keyed_from_the_os_and_take_no_seed():
     with pytest.raises(ValueError, match="takes no seed"):
         make_private(tiny_net(), method="dp-adamw", lr=1e-3, dataset_size=10, batch_size=2, steps=3,
                      noise_multiplier=1.0, seed=0, secure_noise=True)
+    with pytest.raises(ValueError, match="noise_threads.*secure_noise=True"):
+        make_private(tiny_net(), method="dp-adamw", lr=1e-3, dataset_size=10, batch_size=2, steps=3,
+                     noise_multiplier=1.0, seed=0, noise_threads=2)
+    private = make_private(tiny_net(), method="dp-adamw", lr=1e-3, dataset_size=10, batch_size=2, steps=3,
+                           noise_multiplier=1.0, secure_noise=True, noise_threads=2)
+    assert private.mechanism.noise_source.threads == 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -343,6 +343,7 @@ def make_private(
     start: RankRStart | None = None,
     world: World | None = None,
     secure_noise: bool = False,
+    noise_threads: int | None = None,
     allow_large_delta: bool = False,
     **method_kwargs,
 ) -> PrivateLoRA:
@@ -359,7 +360,8 @@ def make_private(
     the initialised default group, if it has more than one process; see :mod:`prismdp.distributed`): each process
     calls ``make_private`` with the same arguments on its copy of the model.  ``secure_noise``: Gaussian noise and
     Poisson inclusions from OS-keyed ChaCha20, noise as Holohan-Braghin sums of normals (:mod:`prismdp.privacy.secure`);
-    it takes no ``seed`` (a seeded stream is predictable).  Every check runs before any noise is drawn.  A ``delta``
+    it takes no ``seed`` (a seeded stream is predictable); ``noise_threads``: the CPU threads drawing its noise (default
+    ``torch.get_num_threads()``, which torchrun sets to 1).  Every check runs before any noise is drawn.  A ``delta``
     at or above ``1 / dataset_size`` is refused (the guarantee would not rule out leaking a whole example) unless
     ``allow_large_delta``.
     """
@@ -376,6 +378,9 @@ def make_private(
     if secure_noise and seed is not None:
         raise ValueError("secure_noise draws noise and Poisson samples from an OS-keyed ChaCha20 stream and takes no "
                          f"seed (got seed={seed!r}; a seeded stream is predictable): pass seed=None")
+    if noise_threads is not None and not secure_noise:
+        raise ValueError("noise_threads sets the threads of secure_noise's ChaCha20 noise (torch's own generator "
+                         "draws on its device): pass secure_noise=True or leave noise_threads out")
     spec = METHODS[method]
     if rank_r_start is None:
         rank_r_start = spec.rank_r_start
@@ -419,7 +424,7 @@ def make_private(
         data_gen = SecureRandom()
     if dp is not None:
         if secure_noise:
-            gen = SecureRandom(world.shared_key() if world is not None else None)
+            gen = SecureRandom(world.shared_key() if world is not None else None, threads=noise_threads)
         else:  # the parameters' device draws the noise, with its own generator (Philox on CUDA)
             gen = noise_generator(device, seed=base_seed)
         mechanism = GaussianMechanism(dp, generator=gen, budget=budget, device=device,

@@ -86,6 +86,9 @@ class PrivacyArguments:
     secure_noise: bool = field(default=False, metadata={"help": "noise and Poisson sampling from an OS-keyed "
                                                                        "ChaCha20 generator (prismdp.privacy.secure); "
                                                                        "the Trainer's seed then seeds only the model"})
+    noise_threads: int | None = field(default=None, metadata={"help": "secure_noise: CPU threads drawing the noise "
+                                                                       "(default: torch's; torchrun sets 1 per "
+                                                                       "process)"})
     disable_dp: bool = field(default=False, metadata={"help": "train the same method without clipping and noise"})
     method_kwargs: str | None = field(default=None, metadata={"help": "the method's options as a JSON/YAML mapping, "
                                                                       "e.g. '{preset: reference}'"})
@@ -261,7 +264,7 @@ class PrivacyMixin:
             noise_multiplier=None if p.disable_dp else p.noise_multiplier, delta=p.target_delta,
             max_grad_norm=p.per_sample_max_grad_norm, accountant=p.accountant,
             seed=None if p.secure_noise else self.args.seed, secure_noise=p.secure_noise,
-            allow_large_delta=p.allow_large_delta, **p.options())
+            noise_threads=p.noise_threads, allow_large_delta=p.allow_large_delta, **p.options())
         self.optimizer = _StepOptimizer(self)
         self._last_stats: dict = {}
         self._steps = steps

@@ -59,14 +59,19 @@ _CALL_SHIFT, _BLOCK_SHIFT = 64, 40  # counter of block j of draw c: c * 2^64 + j
 
 class SecureRandom:
     """ChaCha20 with a 256-bit OS-drawn (or given, e.g. broadcast) key: uniforms for Poisson sampling and
-    Holohan-Braghin normals for noise.  ``key`` is bytes from :func:`secrets.token_bytes`, never a seed."""
+    Holohan-Braghin normals for noise.  ``key`` is bytes from :func:`secrets.token_bytes`, never a seed.
+    ``threads``: how many threads draw the noise (default: ``torch.get_num_threads()`` at each draw); the values
+    do not depend on it."""
 
-    def __init__(self, key: bytes | None = None):
+    def __init__(self, key: bytes | None = None, threads: int | None = None):
         from randomgen import ChaCha
 
         if key is not None and (not isinstance(key, bytes) or len(key) != KEY_BYTES):
             raise ValueError(f"SecureRandom takes a key of {KEY_BYTES} random bytes (secrets.token_bytes), not a seed; "
                              f"got {type(key).__name__}")
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"SecureRandom: threads must be a positive integer or None, got {threads!r}")
+        self.threads = threads
         key = secrets.token_bytes(KEY_BYTES) if key is None else key
         self._key = int.from_bytes(key, "little")
         self._gen = np.random.Generator(ChaCha(key=self._key, rounds=20))  # uniforms: counters from 0
@@ -103,7 +108,7 @@ class SecureRandom:
         draw = self._draws
         flat = np.empty(math.prod(shape))
         blocks = [(j, flat[s:s + BLOCK]) for j, s in enumerate(range(0, flat.size, BLOCK))]
-        threads = min(torch.get_num_threads(), len(blocks))
+        threads = min(self.threads or torch.get_num_threads(), len(blocks))
         if threads > 1:
             if self._pool_size < threads:
                 from concurrent.futures import ThreadPoolExecutor

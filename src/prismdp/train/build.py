@@ -175,7 +175,7 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
         target_epsilon=cfg.epsilon if cfg.dp else None, delta=cfg.delta, max_grad_norm=cfg.max_grad_norm,
         accountant=cfg.accountant, seed=None if cfg.secure_noise else cfg.seed, init=cfg.init,
         rank_r_start=True if cfg.start == "rank-r" else None, dense_lr=cfg.head_lr, world=world,
-        secure_noise=cfg.secure_noise, allow_large_delta=cfg.allow_large_delta,
+        secure_noise=cfg.secure_noise, noise_threads=cfg.noise_threads, allow_large_delta=cfg.allow_large_delta,
         **make_private_kwargs, **cfg.method_kwargs,
     )
     return Run(cfg, model, tokenizer, data, private, lr, targets, exclude, device, num_labels, world)

@@ -83,6 +83,9 @@ class TrainConfig:
     secure_noise: bool = _opt(False, "noise and Poisson sampling from an OS-keyed ChaCha20 generator, the noise as "
                                      "Holohan-Braghin sums of normals (not reproducible; --seed then seeds only the "
                                      "initialisation, dropout and data subsets)")
+    noise_threads: int | None = _opt(None, "--secure-noise: CPU threads drawing the noise (default: torch's "
+                                           "intra-op threads; torchrun sets 1 per process, so under torchrun give "
+                                           "each process its share of the host's cores, e.g. cores / processes)")
     max_length: int = _opt(128, "tokens per example (default 128)")
     train_on_inputs: bool = _opt(False, "causal LM tasks: train on the prompt tokens too")
     init: str = _opt("spectral", "the rank-r start: top-r SVD part of the base weight, or a small random one",
@@ -176,7 +179,11 @@ class TrainConfig:
             bad("init", f"must be 'spectral' or 'random', got {self.init!r}")
         if self.start not in ("method", "rank-r"):
             bad("start", f"must be 'method' or 'rank-r', got {self.start!r}")
-        for key in ("train_examples", "eval_examples", "max_new_tokens", "holdout_val", "holdout_test"):
+        if self.noise_threads is not None and not self.secure_noise:
+            bad("noise_threads", "sets the threads of --secure-noise's ChaCha20 noise; add --secure-noise or leave "
+                                 "it out")
+        for key in ("train_examples", "eval_examples", "max_new_tokens", "holdout_val", "holdout_test",
+                    "noise_threads"):
             v = getattr(self, key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 bad(key, f"must be a positive integer or null, got {v!r}")
