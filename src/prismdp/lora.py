@@ -225,9 +225,11 @@ def _base_weight(pair: LoraPair) -> tuple[Tensor, bool]:
 
 
 def base_weight(pair: LoraPair, dtype: torch.dtype = torch.float64) -> Tensor:
-    """The pair's frozen ``W0`` (m, n) in ``dtype``: a quantized weight de-quantized (by
-    bitsandbytes' own de-quantization: what the layer multiplies by), a sharded one gathered; one layer only."""
+    """The pair's frozen ``W0`` (m, n) in ``dtype``: a quantized weight de-quantized (by bitsandbytes' or torchao's
+    own de-quantization: what the layer multiplies by), a sharded one gathered; one layer only."""
     kind = quantized_base(pair)
+    if kind == "nf4":  # torchao's NF4, sharded (FSDP: this layer gathered whole, on every rank) or not
+        return full_weight(pair.layer.get_base_layer().weight).get_original_weight().to(dtype)
     if kind:
         return dequantized_weight(pair.layer.get_base_layer(), kind).to(dtype)
     weight, transposed = _base_weight(pair)

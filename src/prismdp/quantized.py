@@ -1,6 +1,7 @@
 """A frozen base held in 4 or 8 bits: its weight as the layer multiplies by it, and the layout that keeps it so.
-Pure helpers on one layer; :mod:`prismdp.lora` reads ``W0`` through them and :mod:`prismdp.models` /
-:mod:`prismdp.engine` keep every 4-bit layer in its canonical layout.
+Pure helpers on one layer, importing nothing of prismdp; :mod:`prismdp.lora` reads ``W0`` through them,
+:mod:`prismdp.sharding` holds a block in NF4 before sharding it, and :mod:`prismdp.models` / :mod:`prismdp.engine`
+keep every 4-bit layer in its canonical layout.
 
 Two holders of a quantized weight:
 
@@ -27,14 +28,9 @@ NF4_BLOCK = 64  # weights per NF4 block (QLoRA's)
 
 
 def dequantized_weight(base: nn.Module, kind: str) -> Tensor:
-    """The de-quantized weight (m, n) of a quantized layer, by its holder's own de-quantization, leaving the layer as
-    it is (PEFT's ``dequantize_module_weight`` re-assigns an 8-bit weight and loses its scales on CPU).  ``kind``:
-    ``"4bit"`` / ``"8bit"`` (bitsandbytes) or ``"nf4"`` (torchao; a sharded weight is all-gathered first: a
-    collective, every rank calls it in the same order)."""
-    if kind == "nf4":
-        from .sharding import full_weight
-
-        return full_weight(base.weight).get_original_weight()
+    """bitsandbytes' own de-quantization of a ``Linear4bit`` / ``Linear8bitLt`` weight (m, n) (``kind`` ``"4bit"`` /
+    ``"8bit"``), leaving the layer as it is (PEFT's ``dequantize_module_weight`` re-assigns an 8-bit weight and loses
+    its scales on CPU).  A torchao ``NF4Tensor`` de-quantizes itself (``get_original_weight``)."""
     import bitsandbytes.functional as bnb_f
 
     keep_canonical_layout(base)
