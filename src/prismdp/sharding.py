@@ -117,17 +117,19 @@ def _refuse_bitsandbytes(model: nn.Module) -> None:
                             "prismdp train --fsdp --quantize 4bit does this), or shard it unquantized")
 
 
-def _quantizer(quantize: str | None, world, quantized: dict):
-    """The ``prepare`` step that holds a block's frozen linear weights in NF4 (names into ``quantized``)."""
+def _quantizer(quantize: str | None, world):
+    """The ``prepare`` step that holds a block's frozen linear weights in NF4, and the record it fills: the names
+    held in NF4 (``"nf4"``) and those left in float (``"float"``), both lists, empty without ``quantize``."""
     if quantize not in (None, "nf4"):
         raise ShardingError(f"quantize must be None or 'nf4' (torchao's NF4, 4 bits), got {quantize!r}")
+    quantized: dict[str, list[str]] = {"nf4": [], "float": []}
 
     def prepare(name, unit, is_block):
         if quantize and is_block:
             done, left = quantize_nf4_layers(unit, world.size)
-            quantized.setdefault("nf4", []).extend(f"{name}.{n}" for n in done)
-            quantized.setdefault("float", []).extend(f"{name}.{n}" for n in left)
-    return prepare
+            quantized["nf4"] += [f"{name}.{n}" for n in done]
+            quantized["float"] += [f"{name}.{n}" for n in left]
+    return prepare, quantized
 
 
 def shard_frozen_base(model: nn.Module, world, blocks: Iterable[str] | None = None,
@@ -138,9 +140,9 @@ def shard_frozen_base(model: nn.Module, world, blocks: Iterable[str] | None = No
     block's frozen linear weights are first held in torchao's NF4 (4 bits; QLoRA's format), one block at a time.
     Call it after LoRA is on the model and before :func:`prismdp.engine.make_private` (whose rank-r start then
     gathers one layer at a time).  Returns the names of the layers held in NF4 (``"nf4"``) and of those left in
-    float because of their shape (``"float"``)."""
-    quantized: dict[str, list[str]] = {}
-    _shard_units(model, world, blocks, _quantizer(quantize, world, quantized))
+    float because of their shape (``"float"``), both lists (empty without ``quantize``)."""
+    prepare, quantized = _quantizer(quantize, world)
+    _shard_units(model, world, blocks, prepare)
     return quantized
 
 
@@ -156,7 +158,7 @@ def shard_from_rank0(model: nn.Module, world, whole: nn.Module | None, blocks: I
         raise ShardingError("shard_from_rank0: rank 0 passes the model it loaded, the other ranks None")
     source = dict(whole.named_modules()) if whole is not None else None
     made: dict[int, tuple[Tensor, Tensor]] = {}
-    quantize_block = _quantizer(quantize, world, quantized := {})
+    quantize_block, quantized = _quantizer(quantize, world)
 
     def prepare(name, unit, is_block):
         _from_rank0(unit, name, world, source, made)

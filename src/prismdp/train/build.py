@@ -167,9 +167,10 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
         held = shard_from_rank0(model, world, whole, quantize="nf4" if cfg.quantize else None)
         del whole
         if cfg.quantize:
-            left = held.get("float", [])
-            log(f"[prismdp] 4-bit base sharded (torchao NF4): {len(held.get('nf4', []))} linear layers"
-                + (f"; {len(left)} left in float (shape not a multiple of the NF4 blocks): {left[:3]}" if left else ""))
+            left = held["float"]
+            log(f"[prismdp] 4-bit base sharded (torchao NF4): {len(held['nf4'])} linear layers"
+                + (f"; {len(left)} left in --dtype (not whole NF4 blocks of 64, or its rows or scale groups do not "
+                   f"split into {world.size} shards): {left[:3]}" if left else ""))
     private = make_private(
         model, method=cfg.method, lr=lr, dataset_size=data.n_units, batch_size=cfg.batch_size, steps=cfg.steps,
         target_epsilon=cfg.epsilon if cfg.dp else None, delta=cfg.delta, max_grad_norm=cfg.max_grad_norm,
