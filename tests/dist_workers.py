@@ -275,10 +275,31 @@ def fsdp_dies_after(rank: int, world_size: int, init_file: str, out: str, step: 
         Path(out + f".err{rank}").write_text(json.dumps({"type": type(e).__name__, "msg": str(e)}))
 
 
+def _whole_tensor_bytes() -> int:
+    """Bytes of the plain tensors alive in this process (found by the garbage collector), the meta ones and the
+    storage of every DTensor's local shard left out: what a process holds whole besides its shards."""
+    import gc
+
+    from torch.distributed.tensor import DTensor
+
+    objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    shards = {o._local_tensor.untyped_storage().data_ptr() for o in objects if isinstance(o, DTensor)}
+    storages = {}
+    for o in objects:
+        if isinstance(o, DTensor) or o.is_meta or type(o) is not torch.Tensor and type(o) is not torch.nn.Parameter:
+            continue
+        storage = o.untyped_storage()
+        if storage.data_ptr() not in shards:
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def fsdp_build(rank: int, world_size: int, init_file: str, out: str, cfg: dict) -> None:
     """``build_run`` of ``cfg`` (fsdp on) counting the weight reads (``from_pretrained``) of this rank; saves its
-    count, the model's full tensors (gathered), its buffers and the random state after the build."""
+    count, the model's full tensors (gathered), its buffers and the random state after the build, and the bytes held
+    whole (:func:`_whole_tensor_bytes`) as each FSDP unit was about to be sharded (``fully_shard`` wrapped)."""
     try:
+        import torch.distributed.fsdp as fsdp
         from transformers import modeling_utils
 
         from prismdp.quantized import is_nf4
@@ -294,15 +315,52 @@ def fsdp_build(rank: int, world_size: int, init_file: str, out: str, cfg: dict) 
             return real(cls, *a, **k)
 
         modeling_utils.PreTrainedModel.from_pretrained = classmethod(counting)
+        held, shard = [], fsdp.fully_shard
+
+        def measuring(module, **kw):
+            held.append((type(module).__name__, _whole_tensor_bytes()))
+            return shard(module, **kw)
+
+        fsdp.fully_shard = measuring
         world = _init(rank, world_size, init_file)
         run = build_run(TrainConfig(**cfg), world=world, log=lambda *a: None)
         state = {k: full_weight(v).detach() for k, v in run.model.state_dict().items()}
         state = {k: (v.get_original_weight() if is_nf4(v) else v).clone() for k, v in state.items()}
         buffers = {k: v.detach().clone() for k, v in run.model.named_buffers()}
         nf4 = sorted(k for k, v in run.model.state_dict().items() if is_nf4(v))
-        torch.save({"reads": reads, "state": state, "buffers": buffers, "rng": torch.get_rng_state(), "nf4": nf4},
-                   out + f".{rank}")
+        torch.save({"reads": reads, "state": state, "buffers": buffers, "rng": torch.get_rng_state(), "nf4": nf4,
+                    "held": held}, out + f".{rank}")
         _close()
     except Exception:  # noqa: BLE001
         Path(out + f".err{rank}").write_text(traceback.format_exc())
         raise
+
+
+def fsdp_tied_across_units(rank: int, world_size: int, init_file: str, out: str) -> None:
+    """shard_from_rank0 on a model whose two blocks share one weight; saves the error it raises."""
+    from torch import nn
+
+    from prismdp.sharding import shard_from_rank0
+
+    class Block(nn.Module):
+        def __init__(self, lin=None):
+            super().__init__()
+            self.lin = lin if lin is not None else nn.Linear(4, 4)
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = Block()
+            self.b = Block(nn.Linear(4, 4))
+            self.b.lin.weight = self.a.lin.weight
+
+    world = _init(rank, world_size, init_file)
+    with torch.device("meta"):
+        skeleton = Tied()
+    whole = Tied() if rank == 0 else None
+    try:
+        shard_from_rank0(skeleton, world, whole, blocks=["Block"])
+        Path(out + f".{rank}").write_text("no error")
+    except Exception as e:  # noqa: BLE001
+        Path(out + f".{rank}").write_text(f"{type(e).__name__}: {e}")
+    _close()

@@ -107,6 +107,21 @@ def test_fsdp_reads_the_weights_on_rank_0_alone_and_every_rank_gets_the_one_proc
         for k, v in want_buffers.items():
             assert torch.equal(got["buffers"][k], v), (rank, k)
     assert torch.equal(torch.load(f"{out}.0")["rng"], want_rng)  # (make_private then reseeds each rank's own)
+    # no rank holds more than one block whole besides its shards: what rank 1 holds whole as each block is about to
+    # be sharded stays one block (a block sharded earlier is not kept whole, e.g. for its ties)
+    block = sum(v.numel() * v.element_size() for k, v in want_state.items() if ".layers.0." in k)
+    held = [b for name, b in torch.load(f"{out}.1")["held"] if name == "LlamaDecoderLayer"]
+    assert len(held) == 2 and held[-1] - held[0] < block / 2, (held, block)
+
+
+def test_a_weight_tied_across_two_fsdp_units_is_refused_not_untied(tmp_path):
+    """Two blocks sharing one weight: FSDP shards each tensor in one unit, so shard_from_rank0 names the tie and the
+    fix instead of giving the second block a separate copy."""
+    out = tmp_path / "tied"
+    assert _spawn(dist_workers.fsdp_tied_across_units, 2, tmp_path, str(out)) == [0, 0]
+    for rank in (0, 1):
+        msg = (tmp_path / f"tied.{rank}").read_text()
+        assert msg.startswith("ShardingError: b.lin.weight is tied to a tensor of an FSDP unit sharded before"), msg
 
 
 def test_fsdp_with_a_4bit_base_shards_torchaos_nf4_of_rank_0s_weights(tiny_llama_dir, tmp_path):

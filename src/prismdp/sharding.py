@@ -18,7 +18,8 @@ What changes for the rest of the run:
 * evaluation runs on every rank (the forward is a collective); rank 0 alone writes the files;
 * ``prismdp train --fsdp`` reads the weights on rank 0 alone: the other ranks build the model on the meta device,
   and block by block every rank receives the block from rank 0 and shards it (:func:`shard_from_rank0`), so host
-  memory holds one whole model (rank 0's), not one per process;
+  memory holds one whole model (rank 0's, memory-mapped where the checkpoint is safetensors in ``--dtype``), not one
+  per process, and no rank holds more than one unit whole besides its shards;
 * ``--quantize 4bit --fsdp`` (QLoRA sharded): each block's frozen linear weights are held in torchao's NF4 before
   the block is sharded (FSDP2 cannot shard bitsandbytes' packed weights; torchao's ``NF4Tensor`` shards and
   all-gathers as it is); the rank-r start de-quantizes one gathered layer at a time.
@@ -161,6 +162,8 @@ def shard_from_rank0(model: nn.Module, world, whole: nn.Module | None, blocks: I
     quantize_block, quantized = _quantizer(quantize, world)
 
     def prepare(name, unit, is_block):
+        for key, (meta, _) in made.items():  # the units made before are sharded now: their whole tensors can go
+            made[key] = (meta, None)
         _from_rank0(unit, name, world, source, made)
         quantize_block(name, unit, is_block)
 
@@ -172,7 +175,9 @@ def shard_from_rank0(model: nn.Module, world, whole: nn.Module | None, blocks: I
 @torch.no_grad()
 def _from_rank0(module: nn.Module, prefix: str, world, source: dict | None, made: dict) -> None:
     """Replace every meta tensor of ``module`` (named from ``prefix``) by one on ``world.device`` holding rank 0's
-    value of it (``source``: rank 0's modules by name), broadcast from rank 0; tied tensors stay tied (``made``)."""
+    value of it (``source``: rank 0's modules by name), broadcast from rank 0; tied tensors stay tied (``made``: meta
+    tensor id -> (meta tensor, value), the value None once its unit is sharded, so that no rank keeps a sharded
+    unit's tensors whole)."""
     import torch.distributed as dist
 
     for name, mod in module.named_modules(prefix=prefix):
@@ -189,4 +194,8 @@ def _from_rank0(module: nn.Module, prefix: str, world, source: dict | None, made
                     if table == "_parameters":
                         value = nn.Parameter(value, requires_grad=meta.requires_grad)
                     made[id(meta)] = (meta, value)  # the meta tensor kept alive: its id stays its own
+                elif made[id(meta)][1] is None:
+                    raise ShardingError(f"{name}.{key} is tied to a tensor of an FSDP unit sharded before it; FSDP "
+                                        "shards each tensor in one unit. Fix: untie them, or pass blocks= so that "
+                                        "both are in one unit")
                 tensors[key] = made[id(meta)][1]
