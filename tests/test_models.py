@@ -158,3 +158,23 @@ def test_smollm2_gguf_causal_lm_logits():
     assert torch.isfinite(logits).all()
     # the de-quantised weights are the real model, not noise
     assert tok.decode(logits[0, -1].argmax()).strip() == "Paris"
+
+
+def test_whole_read_note_names_a_conversion_and_a_gguf_file_and_stays_quiet_for_a_mapped_read(tmp_path):
+    """--fsdp's rank 0 reads the whole model: quiet where transformers memory-maps it (safetensors in the dtype its
+    config declares), a warning naming the fix where it converts it (another --dtype) or de-quantizes it (GGUF)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert models.whole_read_note(tmp_path / "bf16", "causal_lm", torch.bfloat16, 2**30) is None
+    note = models.whole_read_note(tmp_path / "bf16", "causal_lm", torch.float32, 3 * 2**30)
+    assert "stored in bfloat16, read in float32" in note and "about 3.0 GiB" in note, note
+    assert note.endswith("Fix: --dtype bfloat16 (the weights then stay memory-mapped)"), note
+    try:
+        default_causal_lm()
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+    note = models.whole_read_note(None, "causal_lm", torch.bfloat16, 2**28)
+    assert "is a GGUF file: rank 0 de-quantizes it whole" in note and "about 0.2 GiB" in note, note

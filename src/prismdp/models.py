@@ -44,6 +44,7 @@ __all__ = [
     "enable_gradient_checkpointing",
     "QUANTIZE",
     "quantize_linear_layers",
+    "whole_read_note",
 ]
 
 QUANTIZE = ("4bit", "8bit")
@@ -229,6 +230,30 @@ def model_skeleton(name_or_path: Union[str, os.PathLike, None], task_type: str, 
         return _on_meta(auto, source, {**extra, "dtype": torch.float32})
     except Exception:  # noqa: BLE001 - best effort: load_model raises the real error with its advice
         return None
+
+
+def whole_read_note(name_or_path, task_type: str, dtype: torch.dtype, nbytes: int) -> Optional[str]:
+    """Why reading this model costs its whole size (``nbytes`` in ``dtype``) in the process's own memory, or None
+    where it does not: transformers memory-maps a safetensors checkpoint read in the dtype its config declares, but
+    converts the model whole into another ``dtype``, and de-quantizes a GGUF file whole.  For ``--fsdp``, whose rank 0
+    reads the whole model (a warning before a 70B read in float32: 282 GB)."""
+    from transformers import AutoConfig
+
+    source, gguf_file, what = _resolve(name_or_path, task_type)
+    size, wanted = f"about {nbytes / 2**30:.1f} GiB", str(dtype).removeprefix("torch.")
+    if gguf_file is not None:
+        return f"{what} is a GGUF file: rank 0 de-quantizes it whole into its memory in {wanted} ({size})"
+    try:
+        stored = getattr(AutoConfig.from_pretrained(source), "dtype", None)
+    except (OSError, ValueError):
+        return None
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    if not isinstance(stored, torch.dtype) or stored == dtype:
+        return None
+    name = str(stored).removeprefix("torch.")
+    return (f"{what} is stored in {name}, read in {wanted}: rank 0 holds the whole converted model in its memory "
+            f"({size}). Fix: --dtype {name} (the weights then stay memory-mapped)")
 
 
 def _bitsandbytes(device=None):

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..distributed import World
 from ..engine import METHODS, PrivateLoRA, make_private
-from ..models import enable_gradient_checkpointing, load_model, load_tokenizer, model_skeleton
+from ..models import enable_gradient_checkpointing, load_model, load_tokenizer, model_skeleton, whole_read_note
 from ..privacy import check_delta
 from ..quantized import nf4_available
 from ..sharding import check_world, shard_from_rank0
@@ -158,6 +158,10 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
     if cfg.fsdp:  # rank 0 reads the weights into host memory, LoRA on them as on the skeleton
         whole = None
         if world.rank == 0:
+            note = whole_read_note(cfg.model, task_type, cfg.torch_dtype(),
+                                   sum(p.numel() * p.element_size() for p in model.parameters()))
+            if note:
+                log(f"[prismdp] warning: --fsdp: {note}")
             whole = build_lora_model(cfg, load(), task_type)[0]
     elif not cfg.quantize:  # a quantized base is loaded on its device (bitsandbytes quantizes it there)
         model = model.to(device)
