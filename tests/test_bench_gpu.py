@@ -256,3 +256,22 @@ def test_cuda_bookkeeping_with_a_fake_torch_cuda(monkeypatch):
     v = res["cells"][0]["variants"]["prism"]
     assert v["mfu"] == pytest.approx(4e9 * 8192 / 0.15 / 989e12) and v["peak_gb"] == 2.0
     assert res["memory_ratios"]["prism / reference"]["at_largest_common_micro"] == 1.0
+
+
+def test_gpu_paths_checks_run_compare_and_fail_on_a_loss_gap(tiny_llama_dir, tmp_path):
+    """``python -m bench.gpu_paths`` on the CPU with the tiny Llama, tolerance 1e-6: the run resumed half-way passes
+    against the bf16 run (same accounting, the same losses on the CPU); the run with gradient checkpointing, whose
+    losses differ from bf16's at the rounding level, fails that tolerance and counts in the exit code."""
+    import bench.gpu_paths as paths
+
+    code = paths.main(["--model", tiny_llama_dir, "--device", "cpu", "--steps", "4", "--output", str(tmp_path),
+                       "--only", "bf16-checkpointing,resume", "--loss-tol", "1e-6"])
+    checks = json.loads((tmp_path / "gpu-paths-cpu.json").read_text())["checks"]
+    assert list(checks) == ["bf16", "bf16-checkpointing", "resume"], checks
+    assert all(len(c["losses"]) == 4 and c["privacy"] == checks["bf16"]["privacy"] for c in checks.values()), checks
+    assert checks["bf16"]["status"] == checks["resume"]["status"] == "passed", checks
+    assert checks["resume"]["exit_codes"] == [0, 0] and checks["resume"]["max_loss_gap_to_bf16"] == 0
+    ckpt = checks["bf16-checkpointing"]
+    assert ckpt["status"] == "failed" and "losses differ from bf16's" in ckpt["problems"][0], ckpt
+    assert 0 < ckpt["max_loss_gap_to_bf16"] < 0.05 and code == 1
+    assert "| resume | passed |" in (tmp_path / "gpu-paths-cpu.md").read_text()
