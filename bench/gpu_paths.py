@@ -59,12 +59,14 @@ CHECKS = {  # name -> (flags, launched by torchrun, the check whose losses it mu
 ACCOUNTING = ("steps", "sample_rate", "noise_multiplier", "epsilon", "delta")
 
 
-def write_data(folder: Path) -> Path:
+def write_data(folder: Path, n: int = 96, n_test: int = 4) -> Path:
+    """A generated LLM-Adapters training file of ``n`` sums, and a GSM8K-style test set of its first ``n_test``
+    beside it (the generation eval runs too); returns the training file's path."""
     folder.mkdir(parents=True, exist_ok=True)
     recs = [{"instruction": f"What is {i} plus {i + 1}?", "input": "", "output": f"The answer is {2 * i + 1}.",
-             "answer": str(2 * i + 1)} for i in range(96)]
+             "answer": str(2 * i + 1)} for i in range(n)]
     (folder / "train.json").write_text(json.dumps(recs))
-    (folder / "gsm8k_test.json").write_text(json.dumps(recs[:4]))
+    (folder / "gsm8k_test.json").write_text(json.dumps(recs[:n_test]))
     return folder / "train.json"
 
 

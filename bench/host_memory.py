@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from .gpu_paths import write_data
+
 
 def anon_mb() -> int:
     with open("/proc/self/status") as f:
@@ -44,9 +46,7 @@ def make_model(folder: Path, layers: int, hidden: int) -> dict:
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
-    data = [{"instruction": f"What is {i} plus {i + 1}?", "input": "", "output": f"The answer is {2 * i + 1}.",
-             "answer": str(2 * i + 1)} for i in range(32)]
-    (folder / "train.json").write_text(json.dumps(data))
+    write_data(folder, 32)
     return {"parameters": sum(p.numel() for p in model.parameters()), "layers": layers, "hidden": hidden,
             "checkpoint_dtype": "bfloat16"}
 

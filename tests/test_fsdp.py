@@ -159,13 +159,10 @@ def test_fsdp_with_a_4bit_base_shards_torchaos_nf4_of_rank_0s_weights(tiny_llama
 
 
 def _math_file(folder):
-    """A tiny LLM-Adapters training file and a GSM8K-style test set beside it (the generation eval runs too)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    recs = [{"instruction": f"What is {i} plus {i + 1}?", "input": "", "output": f"The answer is {2 * i + 1}.",
-             "answer": str(2 * i + 1)} for i in range(40)]
-    (folder / "train.json").write_text(json.dumps(recs))
-    (folder / "gsm8k_test.json").write_text(json.dumps(recs[:3]))
-    return folder / "train.json"
+    """A tiny LLM-Adapters training file (40 sums) and a GSM8K-style test set of 3 beside it."""
+    from bench.gpu_paths import write_data
+
+    return write_data(folder, 40, 3)
 
 
 def test_torchrun_fsdp_run_matches_the_one_process_privacy_report_resumes_and_exports_a_stock_adapter(
