@@ -158,7 +158,7 @@ def shard_from_rank0(model: nn.Module, world, whole: nn.Module | None, blocks: I
     if (world.rank == 0) != (whole is not None):
         raise ShardingError("shard_from_rank0: rank 0 passes the model it loaded, the other ranks None")
     source = dict(whole.named_modules()) if whole is not None else None
-    made: dict[int, tuple[Tensor, Tensor]] = {}
+    made: dict[int, tuple[Tensor, Tensor | None]] = {}
     quantize_block, quantized = _quantizer(quantize, world)
 
     def prepare(name, unit, is_block):
