@@ -66,10 +66,22 @@ MUTANTS = {
  "M16 calibrate for fewer steps": ("src/prismdp/engine.py",
    "noise_multiplier = calibrate_sigma(target_epsilon, delta, q, steps, accountant=accountant)",
    "noise_multiplier = calibrate_sigma(target_epsilon, delta, q, max(1, steps // 2), accountant=accountant)"),
+ "M17 resumed sampler replays its batches": ("src/prismdp/privacy/sampling.py",
+   "            self.generator.set_state(state[\"generator_state\"].clone())",
+   "            pass"),
+ "M18 secure noise: every block from one keystream position": ("src/prismdp/privacy/secure.py",
+   "counter = (draw << _CALL_SHIFT) | (j << _BLOCK_SHIFT)",
+   "counter = draw << _CALL_SHIFT"),
+ "M19 secure noise: every draw from one keystream position": ("src/prismdp/privacy/secure.py",
+   "counter = (draw << _CALL_SHIFT) | (j << _BLOCK_SHIFT)",
+   "counter = j << _BLOCK_SHIFT"),
+ "M20 ranks map their draws onto rank 0's examples": ("src/prismdp/privacy/sampling.py",
+   "yield torch.nonzero(u < self.sample_rate).flatten() * world + rank",
+   "yield torch.nonzero(u < self.sample_rate).flatten() * world"),
 }
 TESTS = ["tests/test_mechanism.py", "tests/test_privacy.py", "tests/test_engine.py", "tests/test_geometry.py",
          "tests/test_losses.py", "tests/test_user_level.py", "tests/test_grad_sample.py", "tests/test_adaptive.py",
-         "tests/test_baselines.py"]
+         "tests/test_baselines.py", "tests/test_secure_noise.py", "tests/test_distributed.py"]
 
 
 def run_tests(root: Path) -> tuple[int, list[str]]:

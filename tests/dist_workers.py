@@ -282,11 +282,15 @@ def _whole_tensor_bytes() -> int:
 
     from torch.distributed.tensor import DTensor
 
+    def plain(t):  # a tensor with a storage of its own (not a subclass wrapping others: DTensor, torchao's NF4)
+        return type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_meta
+
     objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-    shards = {o._local_tensor.untyped_storage().data_ptr() for o in objects if isinstance(o, DTensor)}
+    shards = {o._local_tensor.untyped_storage().data_ptr() for o in objects
+              if isinstance(o, DTensor) and plain(o._local_tensor)}
     storages = {}
     for o in objects:
-        if isinstance(o, DTensor) or o.is_meta or type(o) is not torch.Tensor and type(o) is not torch.nn.Parameter:
+        if not plain(o):
             continue
         storage = o.untyped_storage()
         if storage.data_ptr() not in shards:
