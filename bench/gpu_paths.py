@@ -24,9 +24,12 @@ and CUDA's non-deterministic reductions differ in the last bits; a wrong path di
 The fsdp checks need two processes, one GPU each (``--nproc``, default the number of GPUs): on a one-GPU host
 they are reported as skipped.
 
+``--model random``: a random-init Llama of SmolLM2-135M's shape saved in bf16, with a byte-level BPE tokenizer
+trained on the generated data (nothing to install or download: for a GPU host without the packaged model).
 Without CUDA, ``--device cpu`` runs the same checks on the CPU (gloo for fsdp-*), as the tests do with a tiny model.
 
     python -m bench.gpu_paths                                 # every check, packaged SmolLM2, cuda
+    python -m bench.gpu_paths --model random                  # the same shape, random weights, no package needed
     python -m bench.gpu_paths --only bf16,resume --model PATH # a subset, another model
 """
 
@@ -70,6 +73,25 @@ def write_data(folder: Path, n: int = 96, n_test: int = 4) -> Path:
     return folder / "train.json"
 
 
+def random_model(folder: Path, texts: list[str]) -> str:
+    """A random-init Llama of SmolLM2-135M's shape (bf16) and a byte-level BPE tokenizer trained on ``texts``."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=600, special_tokens=["<|endoftext|>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>",
+                                  pad_token="<|endoftext|>")
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      bos_token_id=None)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
 def job(args, data: Path, out: Path, flags: list[str], torchrun: bool, port: int) -> list[str]:
     launch = [sys.executable, "-m", "prismdp"] if not torchrun else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "--master-addr", "127.0.0.1",
@@ -108,6 +130,8 @@ def run_check(name: str, args, data: Path, work: Path, env: dict, done: dict) ->
               "exit_codes": codes, "losses": _losses(out)}
     privacy = out / "privacy.json"
     problems = [f"exit code {c}" for c in codes if c != 0]
+    if result["losses"] and not any(result["losses"]):  # every target token truncated away: nothing compared
+        problems.append("no step had a supervised token (every loss 0 or empty): raise --max-length")
     if privacy.is_file():
         result["privacy"] = {k: json.loads(privacy.read_text()).get(k) for k in ACCOUNTING}
     else:
@@ -156,7 +180,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", default=",".join(CHECKS), help="comma-separated checks (bf16 runs first when a check "
                    "compares against it)")
-    p.add_argument("--model", default=None, help="model folder, .gguf or Hub id (default: the packaged SmolLM2)")
+    p.add_argument("--model", default=None, help="model folder, .gguf or Hub id, or 'random' (default: the "
+                   "packaged SmolLM2)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--nproc", type=int, default=None, help="processes of the fsdp checks (default: the number of "
@@ -189,6 +214,11 @@ def main(argv=None) -> int:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with tempfile.TemporaryDirectory() as tmp:
         data = write_data(Path(tmp) / "data")
+        if args.model == "random":
+            from prismdp.data.instruct import generate_prompt
+
+            texts = [generate_prompt(r) + r["output"] for r in json.loads(data.read_text())]
+            args.model = random_model(Path(tmp) / "random-model", texts)
         for name in args.names:
             try:
                 report["checks"][name] = run_check(name, args, data, Path(tmp), env, report["checks"])

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Run ON THE GPU HOST, in the repository root (see scripts/gpu-wheels.sh for the wheels it installs when .whl/ is
+# there): the paths not yet run on a GPU (python -m bench.gpu_paths, a random-init SmolLM2-shaped model: nothing to
+# download), then the GPU benchmark (python -m bench.gpu) in the time left, all within about 9 minutes. Results go to
+# $OUT (the device tool's folder) or bench/results.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUTDIR=${OUT:-bench/results}
+if [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD/src:$PWD
+else
+  export PYTHONPATH=$PWD/src:$PWD
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null | tee "$OUTDIR/gpu-check-nvidia-smi.txt"
+start=$(date +%s)
+timeout 300 $PY -m bench.gpu_paths --model random --output "$OUTDIR" 2>&1 | tee "$OUTDIR/gpu-paths.log"
+paths=${PIPESTATUS[0]}
+left=$(( 520 - ($(date +%s) - start) ))
+if [ "$left" -gt 120 ]; then
+  timeout "$left" $PY -m bench.gpu --time-budget $(( left - 90 )) --output "$OUTDIR" 2>&1 | tail -40 | tee "$OUTDIR/gpu-bench.log"
+fi
+echo "gpu_paths exit code (failed checks): $paths"
+exit "$paths"
