@@ -18,7 +18,7 @@ fsdp-4bit           ``+ --quantize 4bit`` under ``--fsdp`` (torchao's NF4 on CUD
 ==================  ====================================================================================
 
 A check passes when its job exits 0, writes privacy.json with the bf16 job's accounting (steps, sample rate, noise
-multiplier, epsilon) and, where it has a reference, its losses are within ``--loss-tol`` of it (bf16 arithmetic
+multiplier, epsilon), has supervised tokens and no non-finite loss or gradient, and, where it has a reference, its losses are within ``--loss-tol`` of it (bf16 arithmetic
 and CUDA's non-deterministic reductions differ in the last bits; a wrong path differs by much more).  Results:
 ``OUT/gpu-paths-<device>.json`` and ``.md`` (written after every check); the exit code is the number of failures.
 The fsdp checks need two processes, one GPU each (``--nproc``, default the number of GPUs): on a one-GPU host
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -103,11 +104,11 @@ def job(args, data: Path, out: Path, flags: list[str], torchrun: bool, port: int
                      "--device", args.device, "--output", str(out), *flags]
 
 
-def _losses(run: Path) -> list[float | None]:
+def _metrics(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line)["loss"] for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def run_check(name: str, args, data: Path, work: Path, env: dict, done: dict) -> dict:
@@ -126,12 +127,17 @@ def run_check(name: str, args, data: Path, work: Path, env: dict, done: dict) ->
             cmd = cmd + ["--resume"]
         codes.append(subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
                                     timeout=args.timeout).returncode)
+    metrics = _metrics(out)
     result = {"flags": flags, "torchrun": torchrun, "seconds": round(time.perf_counter() - start, 1),
-              "exit_codes": codes, "losses": _losses(out)}
+              "exit_codes": codes, "losses": [m["loss"] for m in metrics],
+              "nonfinite_examples": sum(m.get("nonfinite") or 0 for m in metrics)}
     privacy = out / "privacy.json"
     problems = [f"exit code {c}" for c in codes if c != 0]
     if result["losses"] and not any(result["losses"]):  # every target token truncated away: nothing compared
         problems.append("no step had a supervised token (every loss 0 or empty): raise --max-length")
+    if any(x is not None and not math.isfinite(x) for x in result["losses"]) or result["nonfinite_examples"]:
+        problems.append(f"non-finite values: losses {result['losses']}, {result['nonfinite_examples']} examples "
+                        "with a non-finite gradient (left out of the sums)")
     if privacy.is_file():
         result["privacy"] = {k: json.loads(privacy.read_text()).get(k) for k in ACCOUNTING}
     else:
