@@ -258,20 +258,21 @@ def test_cuda_bookkeeping_with_a_fake_torch_cuda(monkeypatch):
     assert res["memory_ratios"]["prism / reference"]["at_largest_common_micro"] == 1.0
 
 
-def test_gpu_paths_checks_run_compare_and_fail_on_a_loss_gap(tiny_llama_dir, tmp_path):
+def test_gpu_paths_checks_run_compare_and_fail_on_a_loss_gap(tiny_llama_dir, tmp_path, monkeypatch):
     """``python -m bench.gpu_paths`` on the CPU with the tiny Llama, tolerance 1e-6: the run resumed half-way passes
-    against the bf16 run (same accounting, the same losses on the CPU); the run with gradient checkpointing, whose
-    losses differ from bf16's at the rounding level, fails that tolerance and counts in the exit code."""
+    against the bf16 run (same accounting, the same losses on the CPU); a planted path that computes something else
+    (the job with another seed: other batches and noise) fails the comparison and counts in the exit code."""
     import bench.gpu_paths as paths
 
+    monkeypatch.setitem(paths.CHECKS, "other-seed", (paths.BF16 + ["--seed", "1"], False, "bf16"))
     code = paths.main(["--model", tiny_llama_dir, "--device", "cpu", "--steps", "4", "--output", str(tmp_path),
-                       "--only", "bf16-checkpointing,resume", "--loss-tol", "1e-6"])
+                       "--only", "resume,other-seed", "--loss-tol", "1e-6"])
     checks = json.loads((tmp_path / "gpu-paths-cpu.json").read_text())["checks"]
-    assert list(checks) == ["bf16", "bf16-checkpointing", "resume"], checks
+    assert list(checks) == ["bf16", "resume", "other-seed"], checks
     assert all(len(c["losses"]) == 4 and c["privacy"] == checks["bf16"]["privacy"] for c in checks.values()), checks
     assert checks["bf16"]["status"] == checks["resume"]["status"] == "passed", checks
     assert checks["resume"]["exit_codes"] == [0, 0] and checks["resume"]["max_loss_gap_to_bf16"] == 0
-    ckpt = checks["bf16-checkpointing"]
-    assert ckpt["status"] == "failed" and "losses differ from bf16's" in ckpt["problems"][0], ckpt
-    assert 0 < ckpt["max_loss_gap_to_bf16"] < 0.05 and code == 1
+    other = checks["other-seed"]
+    assert other["status"] == "failed" and "losses differ from bf16's" in other["problems"][0], other
+    assert other["max_loss_gap_to_bf16"] > 1e-6 and code == 1
     assert "| resume | passed |" in (tmp_path / "gpu-paths-cpu.md").read_text()
