@@ -18,8 +18,9 @@ fsdp-4bit           ``+ --quantize 4bit`` under ``--fsdp`` (torchao's NF4 on CUD
 ==================  ====================================================================================
 
 A check passes when its job exits 0, writes privacy.json with the bf16 job's accounting (steps, sample rate, noise
-multiplier, epsilon), has supervised tokens and no non-finite loss or gradient, and, where it has a reference, its losses are within ``--loss-tol`` of it (bf16 arithmetic
-and CUDA's non-deterministic reductions differ in the last bits; a wrong path differs by much more).  Results:
+multiplier, epsilon), has supervised tokens and no non-finite loss or gradient, and, where it has a reference, its
+losses are within ``--loss-tol`` of it (bf16 arithmetic and CUDA's non-deterministic reductions differ in the last
+bits; a wrong path differs by much more).  Results:
 ``OUT/gpu-paths-<device>.json`` and ``.md`` (written after every check); the exit code is the number of failures.
 The fsdp checks need two processes, one GPU each (``--nproc``, default the number of GPUs): on a one-GPU host
 they are reported as skipped.
@@ -95,8 +96,8 @@ def random_model(folder: Path, texts: list[str]) -> str:
 
 def job(args, data: Path, out: Path, flags: list[str], torchrun: bool, port: int) -> list[str]:
     launch = [sys.executable, "-m", "prismdp"] if not torchrun else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "--master-addr", "127.0.0.1",
-        "--master-port", str(port), "-m", "prismdp"]
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "prismdp"]
     model = ["--model", args.model] if args.model else []
     return launch + ["train", *model, "--task", "instruct", "--data", str(data), "--steps", str(args.steps),
                      "--batch-size", "16", "--micro-batch-size", "8", "--max-length", "96", "--rank", "8",
@@ -121,12 +122,13 @@ def run_check(name: str, args, data: Path, work: Path, env: dict, done: dict) ->
     start = time.perf_counter()
     codes = []
     with open(log, "w") as f:
+        def launch(command):
+            return subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=args.timeout).returncode
+
         if name == "resume":  # the first segment stops half-way (its checkpoint), the second resumes from it
-            codes.append(subprocess.run(cmd + ["--stop-after", str(args.steps // 2)], stdout=f, stderr=subprocess.STDOUT, env=env,
-                                        timeout=args.timeout).returncode)
+            codes.append(launch(cmd + ["--stop-after", str(args.steps // 2)]))
             cmd = cmd + ["--resume"]
-        codes.append(subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                    timeout=args.timeout).returncode)
+        codes.append(launch(cmd))
     metrics = _metrics(out)
     result = {"flags": flags, "torchrun": torchrun, "seconds": round(time.perf_counter() - start, 1),
               "exit_codes": codes, "losses": [m["loss"] for m in metrics],
@@ -171,7 +173,8 @@ def run_check(name: str, args, data: Path, work: Path, env: dict, done: dict) ->
 def markdown(report: dict) -> str:
     lines = [f"# GPU paths: {report['device_name']} ({report['date']}, commit {report['commit']})", "",
              f"`{' '.join(report['command'])}`; torch {report['torch']}", "",
-             "| check | status | seconds | final loss | epsilon | peak MB | notes |", "|---|---|---:|---:|---:|---:|---|"]
+             "| check | status | seconds | final loss | epsilon | peak MB | notes |",
+             "|---|---|---:|---:|---:|---:|---|"]
     for name, r in report["checks"].items():
         losses = [x for x in r.get("losses", []) if x is not None]
         eps = (r.get("privacy") or {}).get("epsilon")
