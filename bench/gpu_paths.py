@@ -62,6 +62,7 @@ CHECKS = {  # name -> (flags, launched by torchrun, the check whose losses it mu
     "fsdp-4bit": (BF16 + ["--fsdp", "--quantize", "4bit"], True, None),
 }
 ACCOUNTING = ("steps", "sample_rate", "noise_multiplier", "epsilon", "delta")
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # the jobs' env
 
 
 def write_data(folder: Path, n: int = 96, n_test: int = 4) -> Path:
@@ -220,7 +221,7 @@ def main(argv=None) -> int:
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"gpu-paths-{device_name.replace(' ', '-').lower()}"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, **OFFLINE}
     with tempfile.TemporaryDirectory() as tmp:
         data = write_data(Path(tmp) / "data")
         if args.model == "random":

@@ -24,12 +24,13 @@ from pathlib import Path
 
 import torch
 
-from .gpu_paths import write_data
+from prismdp.train.profile import status_kb
+
+from .gpu_paths import OFFLINE, write_data
 
 
 def anon_mb() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) // 1024 for line in f if line.startswith("RssAnon"))
+    return status_kb("RssAnon") // 1024
 
 
 def make_model(folder: Path, layers: int, hidden: int) -> dict:
@@ -126,8 +127,7 @@ def main() -> None:
     if args.build:
         build(*args.build)
         return
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         result = {"model": make_model(folder, args.layers, args.hidden), "read": [], "build": []}
