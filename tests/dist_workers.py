@@ -369,6 +369,23 @@ def fsdp_tied_across_units(rank: int, world_size: int, init_file: str, out: str)
         Path(out + f".{rank}").write_text(f"{type(e).__name__}: {e}")
     del skeleton, whole
     _close()
-    # no interpreter teardown: a half-sharded module's FSDP state outliving its process group aborted one process at
-    # exit once (-6, under load in the fresh-clone CI), after both had written their result
-    os._exit(0)
+
+
+def main(argv: list[str]) -> None:
+    """``python -c 'import dist_workers; dist_workers.main(sys.argv[1:])' fn rank world init_file args_json``: run
+    ``fn(rank, world, init_file, *args)`` and leave through ``os._exit`` (0, or 1 after printing the traceback),
+    skipping the interpreter's teardown. Under load that teardown aborted a worker which had finished and written its
+    result (exit -6, twice in the fresh-clone CI: FSDP and gloo objects freed in arbitrary order after the group was
+    destroyed); an exit code is then about the work, not about the order of finalizers."""
+    fn, rank, world, init_file, args = argv
+    code = 0
+    try:
+        globals()[fn](int(rank), int(world), init_file, *json.loads(args))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 (printed, then the exit code says it)
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -361,12 +361,30 @@ def spawn_workers(fn: str, world: int, tmp_path: Path, *args, timeout: float = 2
     import sys
 
     init = Path(tmp_path) / "init"
-    code = ("import json, sys; import dist_workers as w; "
-            "getattr(w, sys.argv[1])(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], *json.loads(sys.argv[5]))")
+    code = "import sys, dist_workers; dist_workers.main(sys.argv[1:])"
     cmds = [[sys.executable, "-c", code, fn, str(r), str(world), str(init), json.dumps(list(args))]
             for r in range(world)]
     with Spawned(cmds, Path(tmp_path) / "logs", names=[f"{fn}{r}" for r in range(world)]) as group:
         return group.wait(timeout)
+
+
+class ExitCodes(list):
+    """Exit codes of spawned workers; their repr (what a failed ``assert codes == [...]`` prints) adds the stderr tail
+    of each worker that did not exit 0, so a crash (e.g. -6) says where it happened."""
+
+    def __init__(self, runs: list[Finished]):
+        super().__init__(r.returncode for r in runs)
+        self.tails = [f"--- rank {i} exited {r.returncode}, stderr ends:\n{r.stderr[-1500:]}"
+                      for i, r in enumerate(runs) if r.returncode != 0]
+
+    def __repr__(self):
+        return "\n".join([list.__repr__(self), *self.tails])
+
+
+def worker_codes(fn, world: int, tmp_path: Path, *args, timeout: float = 240) -> ExitCodes:
+    """Exit codes of ``world`` processes running ``dist_workers.<fn>`` (a function of it, or its name) through
+    :func:`spawn_workers` (bounded: a hang kills them all and fails); printed, they show the failed workers' stderr."""
+    return ExitCodes(spawn_workers(getattr(fn, "__name__", fn), world, tmp_path, *args, timeout=timeout))
 
 
 def torchrun_cmd(nproc: int, *argv: str) -> list[str]:

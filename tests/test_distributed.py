@@ -10,14 +10,9 @@ import torch
 
 import dist_workers
 from helpers import (Spawned, cross_rank_p_values, poisson_law_p_values, spawn_workers, torchrun,
-                     torchrun_cmd)
+                     torchrun_cmd, worker_codes)
 
 HERE = Path(__file__).parent
-
-
-def _spawn(fn, world, tmp_path, *args, timeout=240):
-    """Exit codes of ``world`` processes running dist_workers.<fn> (bounded: a hang kills them all and fails)."""
-    return [r.returncode for r in spawn_workers(fn.__name__, world, tmp_path, *args, timeout=timeout)]
 
 
 @pytest.mark.parametrize("method", ["prism", "dp-adamw"])
@@ -27,7 +22,7 @@ def test_two_processes_follow_the_one_process_trajectory(tmp_path, method):
     one = tmp_path / "one.pt"
     dist_workers.trajectory(0, 1, "", str(one), method, 1.0)
     two = tmp_path / "two.pt"
-    codes = _spawn(dist_workers.trajectory, 2, tmp_path, str(two), method, 1.0)
+    codes = worker_codes(dist_workers.trajectory, 2, tmp_path, str(two), method, 1.0)
     errs = list(tmp_path.glob("two.pt.err*"))
     assert codes == [0, 0], errs[0].read_text() if errs else codes
     a, b = torch.load(one), torch.load(two)
@@ -43,7 +38,7 @@ def test_noise_is_added_once_not_once_per_process(tmp_path, secure):
     """Two ranks, empty batches for 400 steps: the released gradient has per-coordinate std sigma C / (q N), not
     sqrt(2) times it, and is the same on both ranks (secure: from rank 0's ChaCha20 key, broadcast once)."""
     out = tmp_path / "noise"
-    codes = _spawn(dist_workers.noise_only, 2, tmp_path, str(out), 400, secure)
+    codes = worker_codes(dist_workers.noise_only, 2, tmp_path, str(out), 400, secure)
     errs = list(tmp_path.glob("noise.err*"))
     assert codes == [0, 0], errs[0].read_text() if errs else codes
     r0, r1 = torch.load(str(out) + ".0"), torch.load(str(out) + ".1")
@@ -82,7 +77,7 @@ def test_ranks_that_diverge_are_detected_on_every_rank(tmp_path):
     """After a relative 1e-6 change to one rank's copy of a factor, the replica check fails on both ranks (naming the
     step); before it, the copies are bitwise identical."""
     out = tmp_path / "div"
-    codes = _spawn(dist_workers.diverges, 2, tmp_path, str(out))
+    codes = worker_codes(dist_workers.diverges, 2, tmp_path, str(out))
     assert codes == [0, 0]
     for r in (0, 1):
         outcome = json.loads(Path(f"{out}.{r}").read_text())
@@ -92,7 +87,7 @@ def test_ranks_that_diverge_are_detected_on_every_rank(tmp_path):
 
 def test_a_killed_rank_gives_a_clear_error_not_a_hang(tmp_path):
     out = tmp_path / "kill"
-    codes = _spawn(dist_workers.dies_after, 2, tmp_path, str(out), 3, timeout=150)
+    codes = worker_codes(dist_workers.dies_after, 2, tmp_path, str(out), 3, timeout=150)
     assert codes[1] == 3
     err = json.loads((tmp_path / "kill.err0").read_text())
     assert err["type"] == "PeerLostError" and "stopped or lost its connection" in err["msg"]  # within 150 s: bounded

@@ -6,12 +6,7 @@ import pytest
 import torch
 
 import dist_workers
-from helpers import Spawned, interrupt_when_logged, spawn_workers, torchrun, torchrun_cmd
-
-
-def _spawn(fn, world, tmp_path, *args, timeout=240):
-    """Exit codes of ``world`` processes running dist_workers.<fn> (bounded: a hang kills them all and fails)."""
-    return [r.returncode for r in spawn_workers(fn.__name__, world, tmp_path, *args, timeout=timeout)]
+from helpers import Spawned, interrupt_when_logged, torchrun, torchrun_cmd, worker_codes
 
 
 @pytest.mark.parametrize("method", ["prism", "dp-adamw"])
@@ -22,7 +17,7 @@ def test_a_sharded_base_follows_the_one_process_trajectory(tmp_path, method):
     one = tmp_path / "one"
     dist_workers.fsdp_trajectory(0, 1, "", str(one), method, False)
     two = tmp_path / "two"
-    codes = _spawn(dist_workers.fsdp_trajectory, 2, tmp_path, str(two), method, True)
+    codes = worker_codes(dist_workers.fsdp_trajectory, 2, tmp_path, str(two), method, True)
     errs = sorted(tmp_path.glob("two.err*"))
     assert codes == [0, 0], errs[0].read_text() if errs else codes
     a = torch.load(f"{one}.0")
@@ -52,7 +47,7 @@ def test_a_sharded_nf4_base_follows_the_one_process_nf4_trajectory(tmp_path):
         if world == 1:
             dist_workers.fsdp_trajectory(0, 1, "", str(out), "prism", shard, nf4)
         else:
-            codes = _spawn(dist_workers.fsdp_trajectory, 2, tmp_path, str(out), "prism", shard, nf4)
+            codes = worker_codes(dist_workers.fsdp_trajectory, 2, tmp_path, str(out), "prism", shard, nf4)
             errs = sorted(tmp_path.glob(f"{name}.err*"))
             assert codes == [0, 0], errs[0].read_text() if errs else codes
         runs[name] = [torch.load(f"{out}.{r}") for r in range(world)]
@@ -71,7 +66,7 @@ def test_a_killed_rank_gives_the_clear_error_inside_a_sharded_forward(tmp_path):
     """Rank 1 dies after 3 steps: rank 0, waiting in FSDP's all-gather, reports PeerLostError (the run's own error
     naming the lost peer and the resume), not gloo's RuntimeError or a hang."""
     out = tmp_path / "kill"
-    codes = _spawn(dist_workers.fsdp_dies_after, 2, tmp_path, str(out), 3, timeout=150)
+    codes = worker_codes(dist_workers.fsdp_dies_after, 2, tmp_path, str(out), 3, timeout=150)
     assert codes[1] == 3
     err = json.loads((tmp_path / "kill.err0").read_text())
     assert err["type"] == "PeerLostError" and "stopped or lost its connection" in err["msg"], err
@@ -94,7 +89,7 @@ def test_fsdp_reads_the_weights_on_rank_0_alone_and_every_rank_gets_the_one_proc
     want_buffers = dict(one.model.named_buffers())
     want_rng = torch.get_rng_state()
     out = tmp_path / "two"
-    codes = _spawn(dist_workers.fsdp_build, 2, tmp_path, str(out), {**cfg, "fsdp": True})
+    codes = worker_codes(dist_workers.fsdp_build, 2, tmp_path, str(out), {**cfg, "fsdp": True})
     errs = sorted(tmp_path.glob("two.err*"))
     assert codes == [0, 0], errs[0].read_text() if errs else codes
     for rank in (0, 1):
@@ -118,7 +113,7 @@ def test_a_weight_tied_across_two_fsdp_units_is_refused_not_untied(tmp_path):
     """Two blocks sharing one weight: FSDP shards each tensor in one unit, so shard_from_rank0 names the tie and the
     fix instead of giving the second block a separate copy."""
     out = tmp_path / "tied"
-    assert _spawn(dist_workers.fsdp_tied_across_units, 2, tmp_path, str(out)) == [0, 0]
+    assert worker_codes(dist_workers.fsdp_tied_across_units, 2, tmp_path, str(out)) == [0, 0]
     for rank in (0, 1):
         msg = (tmp_path / f"tied.{rank}").read_text()
         assert msg.startswith("ShardingError: b.lin.weight is tied to a tensor of an FSDP unit sharded before"), msg
@@ -137,7 +132,7 @@ def test_fsdp_with_a_4bit_base_shards_torchaos_nf4_of_rank_0s_weights(tiny_llama
                batch_size=8, micro_batch_size=2, rank=2, alpha=2, max_length=48, lr=1e-2, delta=1e-3, seed=3,
                output=str(tmp_path / "run"), fsdp=True, quantize="4bit")
     out = tmp_path / "two"
-    codes = _spawn(dist_workers.fsdp_build, 2, tmp_path, str(out), cfg)
+    codes = worker_codes(dist_workers.fsdp_build, 2, tmp_path, str(out), cfg)
     errs = sorted(tmp_path.glob("two.err*"))
     assert codes == [0, 0], errs[0].read_text() if errs else codes
     float_model = load_model(tiny_llama_dir, "causal_lm")[0]
