@@ -196,7 +196,10 @@ def init_from_env(timeout_s: float = 600.0) -> World | None:
 
 
 def _destroy_group() -> None:
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_initialized():
+        gc.collect()  # free unreachable modules (FSDP state, DTensors) while their group is alive, not after it
         dist.destroy_process_group()
