@@ -374,9 +374,10 @@ def fsdp_tied_across_units(rank: int, world_size: int, init_file: str, out: str)
 def main(argv: list[str]) -> None:
     """``python -c 'import dist_workers; dist_workers.main(sys.argv[1:])' fn rank world init_file args_json``: run
     ``fn(rank, world, init_file, *args)`` and leave through ``os._exit`` (0, or 1 after printing the traceback),
-    skipping the interpreter's teardown. Under load that teardown aborted a worker which had finished and written its
-    result (exit -6, twice in the fresh-clone CI: FSDP and gloo objects freed in arbitrary order after the group was
-    destroyed); an exit code is then about the work, not about the order of finalizers."""
+    skipping the interpreter's teardown. Twice in the fresh-clone CI, under load, a finished FSDP worker exited -6
+    (SIGABRT; once after writing its result, once with no stderr kept), presumably in that teardown, where FSDP and
+    gloo objects are freed in arbitrary order after the group was destroyed (not reproduced in 42 runs here); the
+    exit code is then about the work, not about the order of finalizers."""
     fn, rank, world, init_file, args = argv
     code = 0
     try:
