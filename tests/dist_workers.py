@@ -300,14 +300,16 @@ def _whole_tensor_bytes() -> int:
 
 def fsdp_build(rank: int, world_size: int, init_file: str, out: str, cfg: dict) -> None:
     """``build_run`` of ``cfg`` (fsdp on) counting the weight reads (``from_pretrained``) of this rank; saves its
-    count, the model's full tensors (gathered), its buffers and the random state after the build, and the bytes held
-    whole (:func:`_whole_tensor_bytes`) as each FSDP unit was about to be sharded (``fully_shard`` wrapped)."""
+    count, the model's full tensors (gathered), its buffers and the random state after the build, the bytes held
+    whole (:func:`_whole_tensor_bytes`) as each FSDP unit was about to be sharded (``fully_shard`` wrapped) and the
+    dtype in which rank 0 read the frozen base (``shard_from_rank0`` wrapped)."""
     try:
         import torch.distributed.fsdp as fsdp
         from transformers import modeling_utils
 
         from prismdp.quantized import is_nf4
         from prismdp.sharding import full_weight
+        from prismdp.train import build
         from prismdp.train.build import build_run
         from prismdp.train.config import TrainConfig
 
@@ -326,6 +328,14 @@ def fsdp_build(rank: int, world_size: int, init_file: str, out: str, cfg: dict) 
             return shard(module, **kw)
 
         fsdp.fully_shard = measuring
+        whole_dtypes, send = [], build.shard_from_rank0
+
+        def sending(model, world, whole, **kw):  # the dtype of the frozen base rank 0 read
+            if whole is not None:
+                whole_dtypes.append(whole.get_base_model().get_input_embeddings().weight.dtype)
+            return send(model, world, whole, **kw)
+
+        build.shard_from_rank0 = sending
         world = _init(rank, world_size, init_file)
         run = build_run(TrainConfig(**cfg), world=world, log=lambda *a: None)
         state = {k: full_weight(v).detach() for k, v in run.model.state_dict().items()}
@@ -333,7 +343,7 @@ def fsdp_build(rank: int, world_size: int, init_file: str, out: str, cfg: dict) 
         buffers = {k: v.detach().clone() for k, v in run.model.named_buffers()}
         nf4 = sorted(k for k, v in run.model.state_dict().items() if is_nf4(v))
         torch.save({"reads": reads, "state": state, "buffers": buffers, "rng": torch.get_rng_state(), "nf4": nf4,
-                    "held": held}, out + f".{rank}")
+                    "held": held, "whole_dtypes": whole_dtypes}, out + f".{rank}")
         _close()
     except Exception:  # noqa: BLE001
         Path(out + f".err{rank}").write_text(traceback.format_exc())

@@ -73,14 +73,24 @@ def test_a_killed_rank_gives_the_clear_error_inside_a_sharded_forward(tmp_path):
     assert "sharded model" in err["msg"]
 
 
-def test_fsdp_reads_the_weights_on_rank_0_alone_and_every_rank_gets_the_one_process_model(tiny_llama_dir, tmp_path):
-    """prismdp train --fsdp (build_run): rank 1 builds the model on the meta device and never reads the weights
-    (from_pretrained called on rank 0 alone); after the build every rank holds the model the one-process build gives
-    (LoRA factors after the rank-r start, the frozen weights gathered, the buffers), and building the meta model drew
-    no random number on rank 0 (its random state is the one-process build's)."""
+@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
+def test_fsdp_reads_the_weights_on_rank_0_alone_and_every_rank_gets_the_one_process_model(tiny_llama_dir, tmp_path,
+                                                                                          stored):
+    """prismdp train --fsdp (build_run, --dtype float32): rank 1 builds the model on the meta device and never reads
+    the weights (from_pretrained called on rank 0 alone); rank 0 reads them in the checkpoint's own dtype (a bfloat16
+    checkpoint stays bfloat16, memory-mapped, not converted whole); after the build every rank holds the model the
+    one-process build gives (LoRA factors after the rank-r start, the frozen weights gathered, the buffers), and
+    building the meta model drew no random number on rank 0 (its random state is the one-process build's)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from prismdp.train.build import build_run
     from prismdp.train.config import TrainConfig
 
+    if stored == "bfloat16":
+        folder = tmp_path / "bf16"
+        AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(folder)
+        tiny_llama_dir = str(folder)
     cfg = dict(model=tiny_llama_dir, task="instruct", data=str(_math_file(tmp_path / "data")), steps=4,
                batch_size=8, micro_batch_size=2, rank=2, alpha=2, max_length=48, lr=1e-2, delta=1e-3, seed=3,
                output=str(tmp_path / "run"))
@@ -95,6 +105,7 @@ def test_fsdp_reads_the_weights_on_rank_0_alone_and_every_rank_gets_the_one_proc
     for rank in (0, 1):
         got = torch.load(f"{out}.{rank}")
         assert got["reads"] == (["LlamaForCausalLM"] if rank == 0 else []), (rank, got["reads"])
+        assert got["whole_dtypes"] == ([getattr(torch, stored)] if rank == 0 else []), (rank, got["whole_dtypes"])
         assert got["state"].keys() == want_state.keys()
         for k, v in want_state.items():
             torch.testing.assert_close(got["state"][k], v, rtol=0, atol=1e-6, msg=f"rank {rank}: {k}")

@@ -168,6 +168,7 @@ def test_whole_read_note_names_a_conversion_and_a_gguf_file_and_stays_quiet_for_
     cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert models.stored_dtype(tmp_path / "bf16", "causal_lm") == torch.bfloat16
     assert models.whole_read_note(tmp_path / "bf16", "causal_lm", torch.bfloat16, 2**30) is None
     note = models.whole_read_note(tmp_path / "bf16", "causal_lm", torch.float32, 3 * 2**30)
     assert "stored in bfloat16, read in float32" in note and "about 3.0 GiB" in note, note
@@ -176,5 +177,6 @@ def test_whole_read_note_names_a_conversion_and_a_gguf_file_and_stays_quiet_for_
         default_causal_lm()
     except ModelLoadError as e:
         pytest.skip(str(e))
+    assert models.stored_dtype(None, "causal_lm") is None  # GGUF: no stored dtype to read in
     note = models.whole_read_note(None, "causal_lm", torch.bfloat16, 2**28)
     assert "is a GGUF file: rank 0 de-quantizes it whole" in note and "about 0.2 GiB" in note, note

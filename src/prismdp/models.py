@@ -44,6 +44,7 @@ __all__ = [
     "enable_gradient_checkpointing",
     "QUANTIZE",
     "quantize_linear_layers",
+    "stored_dtype",
     "whole_read_note",
 ]
 
@@ -232,24 +233,34 @@ def model_skeleton(name_or_path: Union[str, os.PathLike, None], task_type: str, 
         return None
 
 
-def whole_read_note(name_or_path, task_type: str, dtype: torch.dtype, nbytes: int) -> Optional[str]:
-    """Why reading this model costs its whole size (``nbytes`` in ``dtype``) in the process's own memory, or None
-    where it does not: transformers memory-maps a safetensors checkpoint read in the dtype its config declares, but
-    converts the model whole into another ``dtype``, and de-quantizes a GGUF file whole.  For ``--fsdp``, whose rank 0
-    reads the whole model (a warning before a 70B read in float32: 282 GB)."""
+def stored_dtype(name_or_path, task_type: str) -> Optional[torch.dtype]:
+    """The floating dtype a checkpoint's config declares for its weights (safetensors / PyTorch folders and hub ids),
+    or None where there is none to read (a GGUF file, no ``dtype`` in the config, a config that cannot be read)."""
     from transformers import AutoConfig
 
-    source, gguf_file, what = _resolve(name_or_path, task_type)
-    size, wanted = f"about {nbytes / 2**30:.1f} GiB", str(dtype).removeprefix("torch.")
+    source, gguf_file, _ = _resolve(name_or_path, task_type)
     if gguf_file is not None:
-        return f"{what} is a GGUF file: rank 0 de-quantizes it whole into its memory in {wanted} ({size})"
+        return None
     try:
         stored = getattr(AutoConfig.from_pretrained(source), "dtype", None)
     except (OSError, ValueError):
         return None
     if isinstance(stored, str):
         stored = getattr(torch, stored, None)
-    if not isinstance(stored, torch.dtype) or stored == dtype:
+    return stored if isinstance(stored, torch.dtype) and stored.is_floating_point else None
+
+
+def whole_read_note(name_or_path, task_type: str, dtype: torch.dtype, nbytes: int) -> Optional[str]:
+    """Why reading this model in ``dtype`` costs its whole size (``nbytes``) in the process's own memory, or None
+    where it does not: transformers memory-maps a safetensors checkpoint read in the dtype its config declares, but
+    converts the model whole into another ``dtype``, and de-quantizes a GGUF file whole.  For ``--fsdp``, whose rank 0
+    reads the whole model (a warning before a 70B read in float32: 282 GB)."""
+    source, gguf_file, what = _resolve(name_or_path, task_type)
+    size, wanted = f"about {nbytes / 2**30:.1f} GiB", str(dtype).removeprefix("torch.")
+    if gguf_file is not None:
+        return f"{what} is a GGUF file: rank 0 de-quantizes it whole into its memory in {wanted} ({size})"
+    stored = stored_dtype(name_or_path, task_type)
+    if stored is None or stored == dtype:
         return None
     name = str(stored).removeprefix("torch.")
     return (f"{what} is stored in {name}, read in {wanted}: rank 0 holds the whole converted model in its memory "

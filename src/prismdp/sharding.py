@@ -150,7 +150,8 @@ def shard_frozen_base(model: nn.Module, world, blocks: Iterable[str] | None = No
 def shard_from_rank0(model: nn.Module, world, whole: nn.Module | None, blocks: Iterable[str] | None = None,
                      quantize: str | None = None) -> dict[str, list[str]]:
     """:func:`shard_frozen_base` for a ``model`` built on the meta device (the same on every rank), whose values come
-    from ``whole``: the same model (LoRA on it) loaded whole into host memory on rank 0 (None on the other ranks).
+    from ``whole``: the same model (LoRA on it) loaded whole into host memory on rank 0 (None on the other ranks),
+    in any dtype (e.g. the checkpoint's, memory-mapped: each value is converted to the skeleton's dtype as it is sent).
     Unit by unit, each rank makes the unit's tensors on ``world.device`` with rank 0's values (broadcast), holds its
     linear weights in NF4 if asked, and shards it; tensors outside every unit (and buffers, which a state dict may
     leave out: rotary frequencies) are broadcast whole.  Every rank then holds what it would had it loaded the model

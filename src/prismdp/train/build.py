@@ -12,7 +12,8 @@ from torch import nn
 
 from ..distributed import World
 from ..engine import METHODS, PrivateLoRA, make_private
-from ..models import enable_gradient_checkpointing, load_model, load_tokenizer, model_skeleton, whole_read_note
+from ..models import (enable_gradient_checkpointing, load_model, load_tokenizer, model_skeleton, stored_dtype,
+                      whole_read_note)
 from ..privacy import check_delta
 from ..quantized import nf4_available
 from ..sharding import check_world, shard_from_rank0
@@ -136,8 +137,8 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
         check_delta(cfg.delta, data.n_units, allow_large=cfg.allow_large_delta, unit=cfg.privacy_unit)
     # --fsdp: every rank builds the model on the meta device, which is also the skeleton; rank 0 alone reads the
     # weights (below)
-    def load(**kw):
-        return load_model(cfg.model, task_type, num_labels, dtype=cfg.torch_dtype(), pooling=cfg.pooling,
+    def load(dtype=None, **kw):
+        return load_model(cfg.model, task_type, num_labels, dtype=dtype or cfg.torch_dtype(), pooling=cfg.pooling,
                           tokenizer=tokenizer, **kw)[0]
 
     skeleton = load(meta=True) if cfg.fsdp else model_skeleton(cfg.model, task_type, num_labels, pooling=cfg.pooling)
@@ -158,11 +159,15 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
     if cfg.fsdp:  # rank 0 reads the weights into host memory, LoRA on them as on the skeleton
         whole = None
         if world.rank == 0:
-            note = whole_read_note(cfg.model, task_type, cfg.torch_dtype(),
+            # a causal LM is read in its stored dtype (memory-mapped: page cache, not a converted copy) and converted
+            # tensor by tensor as the units are sent; a new classification head would be initialised in the stored
+            # dtype, so other tasks read in --dtype, as one process does
+            read = (stored_dtype(cfg.model, task_type) if task_type == "causal_lm" else None) or cfg.torch_dtype()
+            note = whole_read_note(cfg.model, task_type, read,
                                    sum(p.numel() * p.element_size() for p in model.parameters()))
             if note:
                 log(f"[prismdp] warning: --fsdp: {note}")
-            whole = build_lora_model(cfg, load(), task_type)[0]
+            whole = build_lora_model(cfg, load(dtype=read), task_type)[0]
     elif not cfg.quantize:  # a quantized base is loaded on its device (bitsandbytes quantizes it there)
         model = model.to(device)
     if cfg.gradient_checkpointing:
