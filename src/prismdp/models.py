@@ -236,11 +236,14 @@ def model_skeleton(name_or_path: Union[str, os.PathLike, None], task_type: str, 
 def stored_dtype(name_or_path, task_type: str) -> Optional[torch.dtype]:
     """The floating dtype a checkpoint's config declares for its weights (safetensors / PyTorch folders and hub ids),
     or None where there is none to read (a GGUF file, no ``dtype`` in the config, a config that cannot be read)."""
+    source, gguf_file, _ = _resolve(name_or_path, task_type)
+    return None if gguf_file is not None else _config_dtype(source)
+
+
+def _config_dtype(source: str) -> Optional[torch.dtype]:
+    """:func:`stored_dtype` of a resolved (non-GGUF) source."""
     from transformers import AutoConfig
 
-    source, gguf_file, _ = _resolve(name_or_path, task_type)
-    if gguf_file is not None:
-        return None
     try:
         stored = getattr(AutoConfig.from_pretrained(source), "dtype", None)
     except (OSError, ValueError):
@@ -259,7 +262,7 @@ def whole_read_note(name_or_path, task_type: str, dtype: torch.dtype, nbytes: in
     size, wanted = f"about {nbytes / 2**30:.1f} GiB", str(dtype).removeprefix("torch.")
     if gguf_file is not None:
         return f"{what} is a GGUF file: rank 0 de-quantizes it whole into its memory in {wanted} ({size})"
-    stored = stored_dtype(name_or_path, task_type)
+    stored = _config_dtype(source)
     if stored is None or stored == dtype:
         return None
     name = str(stored).removeprefix("torch.")
