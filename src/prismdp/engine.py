@@ -301,6 +301,8 @@ class PrivateLoRA:
         if self.start is not None:
             saved = RankRStart.from_state_dict(state["start"])
             for (a, b), (a2, b2) in zip(self.start.factors, saved.factors, strict=True):
+                # a checkpoint is read onto the CPU; the recomputed start lives on the model's device (CUDA)
+                a2, b2 = a2.to(a.device), b2.to(b.device)
                 if not (torch.allclose(a, a2, atol=1e-6) and torch.allclose(b, b2, atol=1e-6)):
                     raise ValueError("the rank-r start recomputed on resume differs from the checkpoint's; was the "
                                      "base model changed? Resume with the same model.")
