@@ -276,3 +276,25 @@ def test_gpu_paths_checks_run_compare_and_fail_on_a_loss_gap(tiny_llama_dir, tmp
     assert other["status"] == "failed" and "losses differ from bf16's" in other["problems"][0], other
     assert other["max_loss_gap_to_bf16"] > 1e-6 and code == 1
     assert "| resume | passed |" in (tmp_path / "gpu-paths-cpu.md").read_text()
+
+
+def test_gpu_profile_counts_each_kernel_once_and_writes_its_tables(tmp_path):
+    import bench.gpu_profile as gp
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    ev = lambda name, dev, ann=False: SimpleNamespace(name=name, device_type=dev, is_user_annotation=ann)  # noqa: E731
+    # the GPU span of a user annotation (an optimizer's step) covers kernels already counted: not work of its own
+    assert gp._kind(ev("Optimizer.step#PRISM.step", cuda, ann=True)) is None
+    assert gp._kind(ev("Command Buffer Full", cuda)) is None and gp._kind(ev("Buffer Flush", cpu)) is None
+    assert gp._kind(ev("geqr2_smem_domino_fast", cuda)) == "kernel" and gp._kind(ev("aten::mm", cpu)) == "op"
+
+    assert gp.main(["--shape", "tiny-llama", "--device", "cpu", "--variants", "reference,prism", "--steps", "1",
+                    "--warmup", "1", "--output", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu-profile-cpu.json").read_text())
+    assert report["micro"] == 8 and list(report["variants"]) == ["reference", "prism"]
+    ref, prism = (report["variants"][n] for n in ("reference", "prism"))
+    assert ref["kernels"] == prism["kernels"] == 0 and ref["wall_s"] > 0  # no CUDA: host operators only
+    assert ref["ops"]["aten::mm"]["calls"] > 0
+    assert "aten::linalg_qr" in prism["ops"] and "aten::linalg_qr" not in ref["ops"]  # PRISM's frames
+    md = (tmp_path / "gpu-profile-cpu.md").read_text()
+    assert "## prism minus reference, operators" in md and "## prism, operators" in md
