@@ -298,3 +298,22 @@ def test_gpu_profile_counts_each_kernel_once_and_writes_its_tables(tmp_path):
     assert "aten::linalg_qr" in prism["ops"] and "aten::linalg_qr" not in ref["ops"]  # PRISM's frames
     md = (tmp_path / "gpu-profile-cpu.md").read_text()
     assert "## prism minus reference, operators" in md and "## prism, operators" in md
+
+
+@pytest.mark.parametrize("dtype, gram", [(torch.float64, None), (torch.float32, torch.float64)])
+def test_gpu_qr_cholesky_qr2_is_the_qr_of_a_float64_householder_reference(tmp_path, dtype, gram):
+    import bench.gpu_qr as gq
+
+    X = gq.factors(3, 200, 6, cond=1e4, device="cpu", seed=3).to(dtype)  # Q and R come back in X's dtype
+    Q, R = gq.cholqr2(X, dtype, gram=gram)
+    Qh, Rh = torch.linalg.qr(X.double())  # the reference: unique up to the signs of R's diagonal
+    signs = torch.sign(torch.diagonal(Rh, dim1=-2, dim2=-1)).unsqueeze(-1)
+    tol = 1e-6 if dtype == torch.float64 else 1e-4
+    assert torch.allclose(R.double(), Rh * signs, atol=tol * Rh.abs().max())
+    assert torch.allclose(Q.double(), Qh * signs.mT, atol=tol)
+    assert torch.equal(R, R.triu())
+    # the second pass is what makes Q orthonormal to working precision (one pass: ~cond^2 eps64, ~cond eps32)
+    assert gq.errors(X, Q, R)["orthogonality"] < (1e-13 if dtype == torch.float64 else 1e-6)
+    assert gq.main(["--tiny", "--device", "cpu", "--output", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu-qr-cpu.json").read_text())
+    assert set(report["shapes"]["tiny (64)"]["candidates"]) == set(gq.CANDIDATES)
