@@ -3,6 +3,9 @@
 # there): the paths not yet run on a GPU (python -m bench.gpu_paths, a random-init SmolLM2-shaped model: nothing to
 # download), then the GPU benchmark (python -m bench.gpu) in the time left, all within about 9 minutes. Results go to
 # $OUT (the device tool's folder) or bench/results.
+#   PARTS=profile,qr,bench bash scripts/gpu-check.sh   # other parts, in this order: paths (bench.gpu_paths),
+#                                                      # qr (bench.gpu_qr, ~10 s), profile (bench.gpu_profile, ~1 min),
+#                                                      # bench (bench.gpu, the time left); default PARTS=paths,bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -15,11 +18,21 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null | tee "$OUTDIR/gpu-check-nvidia-smi.txt"
+PARTS=",${PARTS:-paths,bench},"
 start=$(date +%s)
-timeout 300 $PY -m bench.gpu_paths --model random --output "$OUTDIR" 2>&1 | tee "$OUTDIR/gpu-paths.log"
-paths=${PIPESTATUS[0]}
+paths=0
+if [[ $PARTS == *,paths,* ]]; then
+  timeout 300 $PY -m bench.gpu_paths --model random --output "$OUTDIR" 2>&1 | tee "$OUTDIR/gpu-paths.log"
+  paths=${PIPESTATUS[0]}
+fi
+if [[ $PARTS == *,qr,* ]]; then
+  timeout 60 $PY -m bench.gpu_qr --output "$OUTDIR" 2>&1 | tail -20
+fi
+if [[ $PARTS == *,profile,* ]]; then
+  timeout 150 $PY -m bench.gpu_profile --output "$OUTDIR" 2>&1 | grep "^\[gpu_profile\]"
+fi
 left=$(( 520 - ($(date +%s) - start) ))
-if [ "$left" -gt 120 ]; then
+if [[ $PARTS == *,bench,* ]] && [ "$left" -gt 120 ]; then
   timeout "$left" $PY -m bench.gpu --time-budget $(( left - 90 )) --output "$OUTDIR" 2>&1 | tail -40 | tee "$OUTDIR/gpu-bench.log"
 fi
 echo "gpu_paths exit code (failed checks): $paths"
