@@ -364,7 +364,9 @@ class PrivacyMixin:
             raise FileNotFoundError(f"{checkpoint} holds no {PRIVACY_STATE_NAME}: it was not written by a "
                                     "PrivateTrainer, so the privacy state (spent budget, sampler, noise stream) "
                                     "cannot be restored")
-        self.private.load_state_dict(torch.load(path, weights_only=False))
+        # onto the CPU, as `prismdp train` reads its checkpoint (load_state_dict moves each part to its device): read
+        # as saved, every rank of a multi-GPU run would put rank 0's CUDA tensors on GPU 0
+        self.private.load_state_dict(torch.load(path, weights_only=False, map_location="cpu"))
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
