@@ -30,14 +30,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Dict, Tuple
 
 import torch
 from torch import Tensor
 
-from .gpu import _sync, _write, environment
+from .gpu import _write, environment, timed_step
 from .gpu_models import sanitize
 
 LLAMA_1B = {"q (2048)": 2048, "k, v (512)": 512, "up / down (8192)": 8192}  # the rows of A or B per target family
@@ -88,22 +87,17 @@ def errors(X: Tensor, Q: Tensor, R: Tensor) -> dict:
 
 
 def time_call(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 3) -> float:
+    """Median seconds of ``reps`` CUDA-synchronised calls (:func:`bench.gpu.timed_step`) after ``warmup``."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(timed_step(fn, device)[0] for _ in range(reps))
 
 
 def run(shapes: Dict[str, int], batch: int, r: int, device: torch.device, reps: int, conds=(1e1, 1e3, 1e5)) -> dict:
     out = {}
     for label, m in shapes.items():
         X = factors(batch, m, r, 1e1, device)
+        conditioned = {cond: factors(batch, m, r, cond, device, seed=1) for cond in conds}  # the same for each
         row = {"m": m, "batch": batch, "r": r, "candidates": {}}
         for name, fn in CANDIDATES.items():
             rec = row["candidates"][name] = {}
@@ -111,8 +105,7 @@ def run(shapes: Dict[str, int], batch: int, r: int, device: torch.device, reps: 
                 rec["ms"] = 1e3 * time_call(lambda: fn(X), device, reps)
             except Exception as e:  # noqa: BLE001 -- recorded (e.g. a Cholesky of a numerically singular Gram)
                 rec["error"] = f"{type(e).__name__}: {str(e)[:120]}"
-            for cond in conds:
-                Xc = factors(batch, m, r, cond, device, seed=1)
+            for cond, Xc in conditioned.items():
                 try:
                     rec[f"cond {cond:.0e}"] = errors(Xc, *fn(Xc))
                 except Exception as e:  # noqa: BLE001
