@@ -6,7 +6,7 @@ time; wall minus busy is where the GPU waits for the host), the number of kernel
 the most self CUDA time.  Beside the first variant (the PEFT reference), the operators whose CUDA time differs most
 from it: what a variant pays that the reference does not.
 
-    python -m bench.gpu_profile                                   # llama-3.2-1b, micro-batch 32, four variants
+    python -m bench.gpu_profile                                   # llama-3.2-1b, micro-batch 32, five variants
     python -m bench.gpu_profile --shape gemma-3-4b --micro 16 --variants reference,no-dp
     python -m bench.gpu_profile --shape tiny-llama --device cpu   # a check of the script (CPU times only)
 
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
     p.add_argument("--micro", type=int, default=None, help="micro-batch size (default: the shape's largest)")
-    p.add_argument("--variants", default="reference,opacus-dp-adamw,no-dp,prism")
+    p.add_argument("--variants", default="reference,opacus-dp-adamw,no-dp,prism,prism-householder")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--top", type=int, default=20)

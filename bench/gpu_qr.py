@@ -1,5 +1,5 @@
 """The thin QR of PRISM's LoRA factors on a GPU: ``torch.linalg.qr`` (Householder, what :func:`prismdp.geometry.frame`
-calls) against candidates that replace it by matrix products, per batched shape of one step, with their errors.
+called on CUDA before ``shifted-cholqr2`` below) against candidates that replace it by matrix products, per batched shape of one step, with their errors.
 
 :mod:`bench.gpu_profile` found ``torch.linalg.qr`` the largest single GPU cost PRISM adds to a step of the
 Llama-3.2-1B shape (32 ms of 0.24 s: cuSOLVER's unblocked ``geqr2`` kernels on a batch of tall, thin matrices).
@@ -12,6 +12,9 @@ cholqr2-f64         CholeskyQR2 in float64: ``R1 = chol(X^T X)``, ``Q1 = X R1^-1
                     triangular solves only, r x r work in the Cholesky factorisations
 cholqr2-f32         the same in float32 (fails or loses orthogonality once cond(X) ~ 1 / sqrt(eps32) ~ 3e3)
 cholqr2-mixed       the Gram matrices and Cholesky factors in float64, the tall solves in float32
+shifted-cholqr2     :func:`prismdp.geometry.cholesky_qr`, what PRISM's frames and retraction use on CUDA since
+                    this benchmark: cholqr2-f64 with a shift that keeps each factorisation defined for rank-deficient
+                    blocks, and no status read (``cholesky_ex``: no host synchronisation)
 ==================  ======================================================================================
 
 Errors, against float64 arithmetic: ``max |Q^T Q - I|`` and ``||Q R - X|| / ||X||`` on factors whose singular
@@ -35,6 +38,8 @@ from typing import Callable, Dict, Tuple
 
 import torch
 from torch import Tensor
+
+from prismdp import geometry
 
 from .gpu import _write, environment, timed_step
 from .gpu_models import sanitize
@@ -63,6 +68,7 @@ def _householder_cpu(X: Tensor) -> Tuple[Tensor, Tensor]:
 
 CANDIDATES: Dict[str, Callable[[Tensor], Tuple[Tensor, Tensor]]] = {
     "householder": torch.linalg.qr,
+    "shifted-cholqr2": geometry.cholesky_qr,
     "householder-cpu": _householder_cpu,
     "cholqr2-f64": lambda X: cholqr2(X, torch.float64),
     "cholqr2-f32": lambda X: cholqr2(X, torch.float32),

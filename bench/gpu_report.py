@@ -18,6 +18,7 @@ RATIOS = [  # (name, numerator, denominator, issue 30's target)
     ("prism-dropout / dp-adamw", "prism-dropout", "dp-adamw", 1.03),
     ("no-dp / reference", "no-dp", "reference", None),
     ("dp-adamw / opacus-dp-adamw", "dp-adamw", "opacus-dp-adamw", None),
+    ("prism-householder / prism", "prism-householder", "prism", None),  # what CholeskyQR2 gains on CUDA
 ]
 MEMORY_RATIOS = [("prism / reference", "prism", "reference", 1.10)]
 TOKENS_TARGET = 25_000  # PRISM on the 1B shape on an H200 (issue 30)

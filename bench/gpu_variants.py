@@ -7,6 +7,9 @@ micro-batches of a size chosen per call:
 * ``dp-adamw``        prismdp's factor-space DP-AdamW.
 * ``prism``           prismdp's PRISM (LoRA dropout 0, as every variant but the next).
 * ``prism-dropout``   PRISM with LoRA dropout 0.05 (its rank-r start's dropout compensation active).
+* ``prism-householder`` PRISM with ``qr="householder"``: ``torch.linalg.qr`` for its frames and retraction, as before
+                      shifted CholeskyQR2 became the CUDA default (:func:`prismdp.geometry.default_qr`); the same
+                      as ``prism`` on the CPU.
 * ``opacus-dp-adamw`` Opacus' DP-AdamW: ``PrivacyEngine.make_private`` (hooks) around the same PEFT model,
                       micro-batches as virtual steps (``signal_skip_step``), as ``bench.workloads`` builds it.
 
@@ -38,6 +41,7 @@ class Spec:
     method: str | None = None
     dp: bool = True
     dropout: float = 0.0
+    qr: str | None = None  # PRISM's thin QR (None: its default for the device)
 
 
 SPECS: Dict[str, Spec] = {
@@ -46,6 +50,7 @@ SPECS: Dict[str, Spec] = {
     "dp-adamw": Spec("prismdp", "dp-adamw"),
     "prism": Spec("prismdp", "prism"),
     "prism-dropout": Spec("prismdp", "prism", dropout=0.05),
+    "prism-householder": Spec("prismdp", "prism", qr="householder"),
     "opacus-dp-adamw": Spec("opacus"),
 }
 VARIANTS = tuple(SPECS)
@@ -139,7 +144,8 @@ def _prismdp(model: nn.Module, ids: Tensor, mask: Tensor, spec: Spec) -> Callabl
 
     n = len(ids)
     private = make_private(model, method=spec.method, lr=LR, dataset_size=10 * n, batch_size=n, steps=10_000,
-                           noise_multiplier=1.0 if spec.dp else None, max_grad_norm=1.0, seed=0)
+                           noise_multiplier=1.0 if spec.dp else None, max_grad_norm=1.0, seed=0,
+                           **({"qr": spec.qr} if spec.qr else {}))
 
     def losses_of(micro: list[int]) -> Tensor:
         s = slice(micro[0], micro[0] + len(micro))

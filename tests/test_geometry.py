@@ -19,9 +19,12 @@ import pytest
 import torch
 
 from prismdp.geometry import (
+    QR_METHODS,
     Frame,
     balance,
     canonical_lift,
+    cholesky_qr,
+    default_qr,
     frame,
     lift_with_frame,
     noise_with_frame,
@@ -34,6 +37,7 @@ from prismdp.geometry import (
     tangent_norm_sq,
     tangent_project,
     tangent_to_dense,
+    thin_qr,
 )
 
 F64 = torch.float64
@@ -162,17 +166,72 @@ def cov_identity_tol(draws: int) -> float:
 # ----------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("qr", QR_METHODS)
 @pytest.mark.parametrize("batch", [(), (3,)])
-def test_frame_is_thin_qr(batch):
+def test_frame_is_thin_qr(batch, qr):
+    """Both thin QRs in float64: Householder's Q orthonormal to ~eps, CholeskyQR's to its shift (~1e-13 here)."""
     A, B = rand_factors(gen(1), 8, 6, 3, batch)
-    fr = frame(A, B)
+    fr = frame(A, B, qr)
     assert isinstance(fr, Frame)
     eye = torch.eye(3, dtype=F64)
     for Q, R, X in ((fr.QA, fr.RA, A), (fr.QB, fr.RB, B)):
         assert Q.shape == X.shape and R.shape == (*batch, 3, 3)
-        torch.testing.assert_close(Q.mT @ Q, eye.expand(*batch, 3, 3), rtol=0, atol=1e-13)
+        torch.testing.assert_close(Q.mT @ Q, eye.expand(*batch, 3, 3), rtol=0, atol=1e-13 if qr == "householder" else 1e-12)
         torch.testing.assert_close(Q @ R, X, rtol=0, atol=1e-12)
         assert torch.equal(R, torch.triu(R))
+
+
+def _conditioned(g: torch.Generator, batch: int, m: int, r: int, cond: float) -> torch.Tensor:
+    """(batch, m, r) float64 matrices with singular values logspaced from 1 to 1 / cond."""
+    U = torch.linalg.qr(randn(g, batch, m, r))[0]
+    V = torch.linalg.qr(randn(g, batch, r, r))[0]
+    return (U * torch.logspace(0.0, -math.log10(cond), r, dtype=F64)) @ V.mT
+
+
+@pytest.mark.parametrize("cond", [1e1, 1e3, 1e5])
+def test_cholesky_qr_float32_beats_householder_on_ill_conditioned_factors(cond):
+    """The GPU's default thin QR on float32 factors (the working dtype): Q orthonormal to < 2e-8 (float64 inside)
+    where float32 Householder reaches ~5e-7, Q R = X to float32 rounding, R upper triangular.  One pass instead of
+    two leaves |Q^T Q - I| ~ u cond^2 (1e-6 at cond 1e5) and fails."""
+    X = _conditioned(gen(3), 4, 300, 8, cond).to(F32)
+    Q, R = cholesky_qr(X)
+    assert Q.dtype == R.dtype == F32 and Q.shape == X.shape and R.shape == (4, 8, 8)
+    assert torch.equal(R, torch.triu(R))
+    Qd = Q.double()
+    orth = float((Qd.mT @ Qd - torch.eye(8, dtype=F64)).abs().max())
+    assert orth < 2e-8, orth
+    assert float((Qd @ R.double() - X.double()).norm() / X.double().norm()) < 1e-6
+    Qh = torch.linalg.qr(X)[0].double()
+    assert orth < float((Qh.mT @ Qh - torch.eye(8, dtype=F64)).abs().max())
+
+
+@pytest.mark.parametrize("case", ["zero", "rank-2-of-4", "one-zero-column"])
+def test_cholesky_qr_rank_deficient_is_finite_and_exact(case):
+    """What the retraction's new directions can be (a direction inside the frame's span leaves nothing): no NaN or
+    inf (the shift keeps each Cholesky factorisation defined; without it a singular Gram matrix fails), Q R = X, and
+    the missing directions carry no weight: R's trailing diagonal ~ 0."""
+    g = gen(4)
+    X = {"zero": torch.zeros(3, 40, 4, dtype=F64),
+         "rank-2-of-4": randn(g, 3, 40, 2) @ randn(g, 3, 2, 4),
+         "one-zero-column": torch.cat([randn(g, 3, 40, 3), torch.zeros(3, 40, 1, dtype=F64)], -1)}[case]
+    Q, R = cholesky_qr(X)
+    assert bool(torch.isfinite(Q).all()) and bool(torch.isfinite(R).all())
+    torch.testing.assert_close(Q @ R, X, rtol=0, atol=1e-12 * max(float(X.norm()), 1.0))
+    rank = {"zero": 0, "rank-2-of-4": 2, "one-zero-column": 3}[case]
+    assert float(R.diagonal(dim1=-2, dim2=-1)[..., rank:].abs().max()) < 1e-6 * max(float(X.norm()), 1.0)
+    if rank:
+        eye = torch.eye(rank, dtype=F64)
+        torch.testing.assert_close(Q[..., :rank].mT @ Q[..., :rank], eye.expand(3, rank, rank), rtol=0, atol=1e-12)
+
+
+def test_default_qr_by_device_and_dtype():
+    """CholeskyQR where torch.linalg.qr launches kernels per matrix (CUDA, float32 and below); Householder on the CPU
+    and in float64.  The default on the CPU is what every other test here runs."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert default_qr(cuda, F32) == default_qr(cuda, torch.bfloat16) == "cholesky"
+    assert default_qr(cuda, F64) == default_qr(cpu, F32) == default_qr(cpu, F64) == "householder"
+    with pytest.raises(ValueError, match="choose one of"):
+        thin_qr(torch.ones(3, 2), "givens")
 
 
 def test_tangent_to_dense_batched():
@@ -612,11 +671,13 @@ def _stacked_qr_retract(A, B, dA, dB, lr):
     return (Qu @ Uc[..., :r]) * root, (Qv @ Vch[..., :r, :].mT) * root
 
 
+@pytest.mark.parametrize("qr", QR_METHODS)
 @pytest.mark.parametrize("case", ["random", "dA-in-span", "dB-in-span", "both-in-span", "dA-zero", "tiny-normal"])
-def test_retract_extending_the_frame_matches_truncated_svd_in_degenerate_directions(case):
+def test_retract_extending_the_frame_matches_truncated_svd_in_degenerate_directions(case, qr):
     """The retraction orthogonalises only the new directions against the frame of (A, B): exact (float64, against
     the dense truncated SVD and the stacked-QR retraction) also when a direction has no component outside the
-    factor's column space, none at all, or one ~1e-9 of its size; a precomputed frame gives the same result."""
+    factor's column space, none at all, or one ~1e-9 of its size; a precomputed frame gives the same result.  With
+    either thin QR (CholeskyQR's basis of a rank-deficient new block is not orthonormal, but carries no weight)."""
     g = gen(185)
     m, n, r, lr = 11, 9, 3, 0.3
     A, B = rand_factors(g, m, n, r)
@@ -632,13 +693,13 @@ def test_retract_extending_the_frame_matches_truncated_svd_in_degenerate_directi
         dA = A @ randn(g, r, r) + 1e-9 * (dA - QA @ (QA.mT @ dA))
     X = A @ B.mT - lr * dense_tangent(A, B, dA, dB)
     ref, S = truncated_svd(X, r)
-    An, Bn = retract(A, B, dA, dB, lr)
+    An, Bn = retract(A, B, dA, dB, lr, qr=qr)
     assert rel_err(An @ Bn.mT, ref, X.norm()) < 1e-12
     torch.testing.assert_close(An.mT @ An, torch.diag(S[:r]), rtol=0, atol=1e-12 * float(S[0]))
     torch.testing.assert_close(Bn.mT @ Bn, torch.diag(S[:r]), rtol=0, atol=1e-12 * float(S[0]))
     Ao, Bo = _stacked_qr_retract(A, B, dA, dB, lr)
     torch.testing.assert_close(An @ Bn.mT, Ao @ Bo.mT, rtol=0, atol=1e-12 * float(X.norm()))
-    Af, Bf = retract(A, B, dA, dB, lr, frame(A, B))
+    Af, Bf = retract(A, B, dA, dB, lr, frame(A, B, qr), qr)
     torch.testing.assert_close(Af, An, rtol=0, atol=0)
     torch.testing.assert_close(Bf, Bn, rtol=0, atol=0)
 

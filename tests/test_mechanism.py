@@ -351,6 +351,37 @@ def test_batching_modules_by_shape_does_not_change_the_math(dp):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("dp", [True, False])
+def test_the_thin_qr_does_not_change_the_math(dp, monkeypatch):
+    """PRISM's ``qr`` option (CholeskyQR, the CUDA default, against Householder, the CPU default): six steps follow
+    the same trajectory (float64; private with clipping active and no noise, whose draws are the same only in law:
+    the two R factors differ in sign), and CholeskyQR is what the frames and the retraction then call."""
+    from prismdp import geometry
+
+    calls = []
+    real = geometry.cholesky_qr
+    monkeypatch.setattr(geometry, "cholesky_qr", lambda X: calls.append(X.shape) or real(X))
+    x, y = net_batch(6, seed=4, dtype=torch.float64)
+    finals = []
+    for qr in ("householder", "cholesky"):
+        model = tiny_net(dtype=torch.float64, seed=2)
+        pairs = find_lora_pairs(model)
+        move_to_rank_r_start(pairs)
+        sampler = GradSampler(model, pairs)
+        opt = PRISM(pairs, lr=0.05, dense_params=sampler.dense_params, qr=qr,
+                    mechanism=mechanism(0.0, 0.05, 6.0) if dp else None)
+        start = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+        calls.clear()
+        train_steps(model, sampler, opt, x, y, 6, dp)
+        assert len(calls) == (0 if qr == "householder" else 6 * 4 * len(opt.stacks))  # frame + retraction, A and B
+        finals.append([p.detach().clone() for p in model.parameters() if p.requires_grad])
+    assert max(float((a - b).abs().max()) for a, b in zip(finals[0], start)) > 1e-3  # the steps moved it
+    for a, b in zip(*finals):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    with pytest.raises(ValueError, match="qr must be one of"):
+        PRISM(pairs, lr=0.05, qr="cholesky-qr")
+
+
 def test_privacy_json_names_the_torch_generator_of_the_device_that_draws_the_noise():
     """Issue 30: on CUDA privacy.json said "Mersenne Twister on the CPU" while torch's CUDA generator is Philox,
     drawing on the GPU.  The name follows the generator's device; make_private builds the generator on the

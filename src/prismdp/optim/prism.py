@@ -88,6 +88,9 @@ class PRISM(KeepStateDtypes, torch.optim.Optimizer):
             same math, for benchmarks).
         norms: per-example norms from r x r Gram matrices at the balanced factors (``"gram"``) or by triangular
             solves (``"qr"``, :func:`prismdp.geometry.projected_grad_norm_sq`; for benchmarks).
+        qr: the thin QR of the step's frames and retraction, one of :data:`prismdp.geometry.QR_METHODS`
+            (``None``: by device and dtype, :func:`prismdp.geometry.default_qr`: shifted CholeskyQR2 on CUDA,
+            Householder on the CPU).
     """
 
     def __init__(
@@ -108,10 +111,13 @@ class PRISM(KeepStateDtypes, torch.optim.Optimizer):
         cond_max: float | None = None,
         stack_by_shape: bool = True,
         norms: str = "gram",
+        qr: str | None = None,
     ):
         check_lr_betas(lr, betas)
         if norms not in ("gram", "qr"):
             raise ValueError(f"norms must be 'gram' or 'qr', got {norms!r}")
+        if qr is not None and qr not in geometry.QR_METHODS:
+            raise ValueError(f"qr must be one of {geometry.QR_METHODS} or None (by device), got {qr!r}")
         dense_params = list(dense_params)
         param_groups = [{"params": [p for pair in pairs for p in pair.params], "kind": "lora"}]
         if dense_params:
@@ -124,6 +130,7 @@ class PRISM(KeepStateDtypes, torch.optim.Optimizer):
         self.options = AdaptiveOptions.from_preset(preset, floor_mode=floor_mode, floor_factor=floor_factor,
                                                    debias=debias, horizontal_lift=horizontal_lift, cond_max=cond_max)
         self._norm_sq = geometry.per_example_norm_sq_balanced if norms == "gram" else _qr_norm_sq
+        self.qr = qr
         self.stacks = lora.stack_by_shape(self.pairs) if stack_by_shape else [[k] for k in range(len(self.pairs))]
         self._hooks = StepHooks()
         self.last_clip = None
@@ -139,7 +146,9 @@ class PRISM(KeepStateDtypes, torch.optim.Optimizer):
     def _balance_factors(self) -> None:
         for pair in self.pairs:
             A, B = get_factors(pair, torch.float64)
-            fr = geometry.frame(A, B)
+            # Householder: a zero factor (PEFT's lora_B) gives an exactly zero R here, where CholeskyQR's shift would
+            # leave a tiny one
+            fr = geometry.frame(A, B, "householder")
             s = torch.linalg.svdvals(fr.RA @ fr.RB.mT)
             if not bool(torch.isfinite(s).all()) or float(s[-1]) <= 1e-12 * max(float(s[0]), 1e-300):
                 raise LoraSetupError(
@@ -147,7 +156,7 @@ class PRISM(KeepStateDtypes, torch.optim.Optimizer):
                     "lora_B puts Z at 0, off the manifold). Fix: call prismdp.lora.move_to_rank_r_start(pairs) "
                     "before creating the PRISM optimizer."
                 )
-            A, B = geometry.balance(A, B)
+            A, B = geometry.balance(A, B, "householder")
             set_factors(pair, A, B)
 
     def attach_step_hook(self, fn: Callable[[StepRecord], None]):
@@ -175,7 +184,7 @@ class PRISM(KeepStateDtypes, torch.optim.Optimizer):
         micro-batch."""
         if self._frames is None:
             self._factors = [self._stacked_factors(idx) for idx in self.stacks]
-            self._frames = [geometry.frame(A, B) for A, B in self._factors]
+            self._frames = [geometry.frame(A, B, self.qr) for A, B in self._factors]
         return self._frames
 
     def _coordinates(self) -> _TangentCoordinates:
@@ -321,7 +330,7 @@ class PRISM(KeepStateDtypes, torch.optim.Optimizer):
             dA, dB, precond = adaptive_direction(st, fr, dA, dB, tau, group["betas"], group["eps"], self.options)
         if self.options.lift_before("retraction"):
             dA, dB = geometry.horizontal_lift(A, B, dA, dB, fr)
-        A_new, B_new = geometry.retract(A, B, dA, dB, group["lr"], fr)  # extends the step's frame
+        A_new, B_new = geometry.retract(A, B, dA, dB, group["lr"], fr, self.qr)  # extends the step's frame
         A_new, B_new = geometry.procrustes_align(A_new, B_new, A, B)
         self._set_stacked_factors(self.stacks[i], A_new, B_new)
         return precond
