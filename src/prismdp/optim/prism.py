@@ -172,12 +172,13 @@ class PRISM(KeepStateDtypes, torch.optim.Optimizer):
         return A, B
 
     def _set_stacked_factors(self, idx: list[int], A: Tensor, B: Tensor) -> None:
+        """Write the stack's factors into its pairs' parameters: one batched scale, transpose and cast per factor, then
+        one multi-tensor copy (on CUDA a few kernel launches for the whole stack instead of two per pair)."""
         inv_root = 1.0 / math.sqrt(self.pairs[idx[0]].scaling)
-        WB, WA = A * inv_root, (B.mT * inv_root).contiguous()  # one batched transpose, then contiguous copies
-        for j, k in enumerate(idx):
-            wa, wb = self.pairs[k].params
-            wb.copy_(WB[j])
-            wa.copy_(WA[j])
+        dtype = self.pairs[idx[0]].lora_A.weight.dtype
+        WB, WA = (A * inv_root).to(dtype), (B.mT * inv_root).to(dtype).contiguous()
+        params = [p for k in idx for p in self.pairs[k].params]  # (lora_A, lora_B) per pair
+        torch._foreach_copy_(params, [w for j in range(len(idx)) for w in (WA[j], WB[j])])
 
     def _ensure_frames(self) -> list[geometry.Frame]:
         """Per stack: the stacked factors and their QR frames, computed once per step and reused by every
