@@ -335,20 +335,28 @@ def test_private_step_with_infinite_clip_and_no_noise_is_the_nonprivate_step(met
 def test_batching_modules_by_shape_does_not_change_the_math(dp):
     """tiny_net has two LoRA modules of one shape: stacked as one group they follow exactly the trajectory they
     follow one by one (private with clipping active and no noise, and non-private)."""
-    x, y = net_batch(6, seed=4, dtype=torch.float64)
     finals = []
     for stacked in (True, False):
-        model = tiny_net(dtype=torch.float64, seed=2)
-        pairs = find_lora_pairs(model)
-        move_to_rank_r_start(pairs)
-        sampler = GradSampler(model, pairs)
-        opt = PRISM(pairs, lr=0.05, dense_params=sampler.dense_params, stack_by_shape=stacked,
-                    mechanism=mechanism(0.0, 0.05, 6.0) if dp else None)
+        opt, _, final = _six_prism_steps(dp, stack_by_shape=stacked)
         assert [len(idx) for idx in opt.stacks] == ([1, 2] if stacked else [1, 1, 1])
-        train_steps(model, sampler, opt, x, y, 6, dp)
-        finals.append([p.detach().clone() for p in model.parameters() if p.requires_grad])
+        finals.append(final)
     for a, b in zip(*finals):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def _six_prism_steps(dp: bool, **options) -> tuple[PRISM, list[torch.Tensor], list[torch.Tensor]]:
+    """Six PRISM steps of tiny_net (float64) on one batch, private with clipping active and no noise or non-private;
+    returns the optimizer and the trainable parameters before and after the steps."""
+    x, y = net_batch(6, seed=4, dtype=torch.float64)
+    model = tiny_net(dtype=torch.float64, seed=2)
+    pairs = find_lora_pairs(model)
+    move_to_rank_r_start(pairs)
+    sampler = GradSampler(model, pairs)
+    opt = PRISM(pairs, lr=0.05, dense_params=sampler.dense_params, mechanism=mechanism(0.0, 0.05, 6.0) if dp else None,
+                **options)
+    start = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    train_steps(model, sampler, opt, x, y, 6, dp)
+    return opt, start, [p.detach().clone() for p in model.parameters() if p.requires_grad]
 
 
 @pytest.mark.parametrize("dp", [True, False])
@@ -361,25 +369,17 @@ def test_the_thin_qr_does_not_change_the_math(dp, monkeypatch):
     calls = []
     real = geometry.cholesky_qr
     monkeypatch.setattr(geometry, "cholesky_qr", lambda X: calls.append(X.shape) or real(X))
-    x, y = net_batch(6, seed=4, dtype=torch.float64)
     finals = []
     for qr in ("householder", "cholesky"):
-        model = tiny_net(dtype=torch.float64, seed=2)
-        pairs = find_lora_pairs(model)
-        move_to_rank_r_start(pairs)
-        sampler = GradSampler(model, pairs)
-        opt = PRISM(pairs, lr=0.05, dense_params=sampler.dense_params, qr=qr,
-                    mechanism=mechanism(0.0, 0.05, 6.0) if dp else None)
-        start = [p.detach().clone() for p in model.parameters() if p.requires_grad]
         calls.clear()
-        train_steps(model, sampler, opt, x, y, 6, dp)
+        opt, start, final = _six_prism_steps(dp, qr=qr)
         assert len(calls) == (0 if qr == "householder" else 6 * 4 * len(opt.stacks))  # frame + retraction, A and B
-        finals.append([p.detach().clone() for p in model.parameters() if p.requires_grad])
+        finals.append(final)
     assert max(float((a - b).abs().max()) for a, b in zip(finals[0], start)) > 1e-3  # the steps moved it
     for a, b in zip(*finals):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
     with pytest.raises(ValueError, match="qr must be one of"):
-        PRISM(pairs, lr=0.05, qr="cholesky-qr")
+        PRISM(opt.pairs, lr=0.05, qr="cholesky-qr")
 
 
 def test_privacy_json_names_the_torch_generator_of_the_device_that_draws_the_noise():
