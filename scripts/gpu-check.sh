@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Run ON THE GPU HOST, in the repository root (see scripts/gpu-wheels.sh for the wheels it installs when .whl/ is
 # there): the paths not yet run on a GPU (python -m bench.gpu_paths, a random-init SmolLM2-shaped model: nothing to
-# download), then the GPU benchmark (python -m bench.gpu) in the time left, all within about 9 minutes. Results go to
+# download), a profile of the benchmark's variants (python -m bench.gpu_profile: kernel time and launches), then the
+# GPU benchmark (python -m bench.gpu) in the time left, all within about 9 minutes. Results go to
 # $OUT (the device tool's folder) or bench/results.
 #   PARTS=profile,qr,bench bash scripts/gpu-check.sh   # other parts, in this order: paths (bench.gpu_paths),
 #                                                      # qr (bench.gpu_qr, ~10 s), profile (bench.gpu_profile, ~1 min),
-#                                                      # bench (bench.gpu, the time left); default PARTS=paths,bench
+#                                                      # bench (bench.gpu, the time left); default PARTS=paths,profile,bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -18,7 +19,7 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null | tee "$OUTDIR/gpu-check-nvidia-smi.txt"
-PARTS=",${PARTS:-paths,bench},"
+PARTS=",${PARTS:-paths,profile,bench},"
 start=$(date +%s)
 paths=0
 if [[ $PARTS == *,paths,* ]]; then
@@ -31,7 +32,7 @@ fi
 if [[ $PARTS == *,profile,* ]]; then
   timeout 150 $PY -m bench.gpu_profile --output "$OUTDIR" 2>&1 | grep "^\[gpu_profile\]"
 fi
-left=$(( 520 - ($(date +%s) - start) ))
+left=$(( 540 - ($(date +%s) - start) ))
 if [[ $PARTS == *,bench,* ]] && [ "$left" -gt 120 ]; then
   timeout "$left" $PY -m bench.gpu --time-budget $(( left - 90 )) --output "$OUTDIR" 2>&1 | tail -40 | tee "$OUTDIR/gpu-bench.log"
 fi
