@@ -1,5 +1,6 @@
 """The thin QR of PRISM's LoRA factors on a GPU: ``torch.linalg.qr`` (Householder, what :func:`prismdp.geometry.frame`
-called on CUDA before ``shifted-cholqr2`` below) against candidates that replace it by matrix products, per batched shape of one step, with their errors.
+called on CUDA before ``shifted-cholqr2`` below) against candidates that replace it by matrix products, per batched
+shape of one step, with their errors.
 
 :mod:`bench.gpu_profile` found ``torch.linalg.qr`` the largest single GPU cost PRISM adds to a step of the
 Llama-3.2-1B shape (32 ms of 0.24 s: cuSOLVER's unblocked ``geqr2`` kernels on a batch of tall, thin matrices).

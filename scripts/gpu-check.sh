@@ -6,7 +6,8 @@
 # $OUT (the device tool's folder) or bench/results.
 #   PARTS=profile,qr,bench bash scripts/gpu-check.sh   # other parts, in this order: paths (bench.gpu_paths),
 #                                                      # qr (bench.gpu_qr, ~10 s), profile (bench.gpu_profile, ~1 min),
-#                                                      # bench (bench.gpu, the time left); default PARTS=paths,profile,bench
+#                                                      # bench (bench.gpu, the time left);
+#                                                      # default PARTS=paths,profile,bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
