@@ -10,6 +10,8 @@ micro-batches of a size chosen per call:
 * ``prism-householder`` PRISM with ``qr="householder"``: ``torch.linalg.qr`` for its frames and retraction, as before
                       shifted CholeskyQR2 became the CUDA default (:func:`prismdp.geometry.default_qr`); the same
                       as ``prism`` on the CPU.
+* ``prism-eager-loss`` PRISM with the chunked eager cross-entropy (``causal_lm_losses(..., fused=False)``), as before
+                      the compiled one became the CUDA default; the same as ``prism`` on the CPU.
 * ``opacus-dp-adamw`` Opacus' DP-AdamW: ``PrivacyEngine.make_private`` (hooks) around the same PEFT model,
                       micro-batches as virtual steps (``signal_skip_step``), as ``bench.workloads`` builds it.
 
@@ -42,6 +44,7 @@ class Spec:
     dp: bool = True
     dropout: float = 0.0
     qr: str | None = None  # PRISM's thin QR (None: its default for the device)
+    fused_loss: bool | None = None  # causal_lm_losses(fused=...) (None: its default for the device)
 
 
 SPECS: Dict[str, Spec] = {
@@ -51,6 +54,7 @@ SPECS: Dict[str, Spec] = {
     "prism": Spec("prismdp", "prism"),
     "prism-dropout": Spec("prismdp", "prism", dropout=0.05),
     "prism-householder": Spec("prismdp", "prism", qr="householder"),
+    "prism-eager-loss": Spec("prismdp", "prism", fused_loss=False),
     "opacus-dp-adamw": Spec("opacus"),
 }
 VARIANTS = tuple(SPECS)
@@ -151,7 +155,7 @@ def _prismdp(model: nn.Module, ids: Tensor, mask: Tensor, spec: Spec) -> Callabl
         s = slice(micro[0], micro[0] + len(micro))
         if micro != list(range(s.start, s.stop)):  # the plan keeps the batch's order (group_by_length off)
             raise RuntimeError(f"expected a consecutive micro-batch, got {micro}")
-        return causal_lm_losses(model(input_ids=ids[s], attention_mask=mask[s]).logits, ids[s])
+        return causal_lm_losses(model(input_ids=ids[s], attention_mask=mask[s]).logits, ids[s], fused=spec.fused_loss)
 
     def run(micro: int) -> None:
         backward_micro_batches(private, micro_batch_plan(range(n), None, micro, group_by_length=False), losses_of)

@@ -5,9 +5,10 @@
 # GPU benchmark (python -m bench.gpu) in the time left, all within about 9 minutes. Results go to
 # $OUT (the device tool's folder) or bench/results.
 #   PARTS=profile,qr,bench bash scripts/gpu-check.sh   # other parts, in this order: paths (bench.gpu_paths),
-#                                                      # qr (bench.gpu_qr, ~10 s), profile (bench.gpu_profile, ~1 min),
-#                                                      # bench (bench.gpu, the time left);
-#                                                      # default PARTS=paths,profile,bench
+#                                                      # qr (bench.gpu_qr, ~10 s), loss (bench.gpu_loss, ~1 min),
+#                                                      # profile (bench.gpu_profile, ~1 min), bench (bench.gpu, the
+#                                                      # time left, extra arguments in BENCH_ARGS);
+#                                                      # default PARTS=paths,loss,profile,bench; TOTAL=540 (s)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -20,7 +21,7 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null | tee "$OUTDIR/gpu-check-nvidia-smi.txt"
-PARTS=",${PARTS:-paths,profile,bench},"
+PARTS=",${PARTS:-paths,loss,profile,bench},"
 start=$(date +%s)
 paths=0
 if [[ $PARTS == *,paths,* ]]; then
@@ -30,12 +31,15 @@ fi
 if [[ $PARTS == *,qr,* ]]; then
   timeout 60 $PY -m bench.gpu_qr --output "$OUTDIR" 2>&1 | tail -20
 fi
+if [[ $PARTS == *,loss,* ]]; then
+  timeout 150 $PY -m bench.gpu_loss --output "$OUTDIR" 2>&1 | tail -12
+fi
 if [[ $PARTS == *,profile,* ]]; then
   timeout 150 $PY -m bench.gpu_profile --output "$OUTDIR" 2>&1 | grep "^\[gpu_profile\]"
 fi
-left=$(( 540 - ($(date +%s) - start) ))
+left=$(( ${TOTAL:-540} - ($(date +%s) - start) ))
 if [[ $PARTS == *,bench,* ]] && [ "$left" -gt 120 ]; then
-  timeout "$left" $PY -m bench.gpu --time-budget $(( left - 90 )) --output "$OUTDIR" 2>&1 | tail -40 | tee "$OUTDIR/gpu-bench.log"
+  timeout "$left" $PY -m bench.gpu --time-budget $(( left - 90 )) ${BENCH_ARGS:-} --output "$OUTDIR" 2>&1 | tail -40 | tee "$OUTDIR/gpu-bench.log"
 fi
 echo "gpu_paths exit code (failed checks): $paths"
 exit "$paths"

@@ -157,7 +157,7 @@ def test_variants_share_the_frozen_weights_they_leave_unchanged(monkeypatch):
         v = build_variant(name, shape, base, ids)
         v.step(4)
         v.check_shared()
-        owns_targets = name in ("prism", "no-dp", "prism-householder")
+        owns_targets = name in ("prism", "no-dp", "prism-householder", "prism-eager-loss")
         assert (id(q) in v.shared) != owns_targets and id(base.model.layers[0].self_attn.o_proj.weight) in v.shared
     assert all(torch.equal(p, before[n]) for n, p in base.named_parameters())
     monkeypatch.setattr(gv, "changes_base", lambda spec: False)  # the planted bug: prism shares its targets
@@ -317,3 +317,23 @@ def test_gpu_qr_cholesky_qr2_is_the_qr_of_a_float64_householder_reference(tmp_pa
     assert gq.main(["--tiny", "--device", "cpu", "--output", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "gpu-qr-cpu.json").read_text())
     assert set(report["shapes"]["tiny (64)"]["candidates"]) == set(gq.CANDIDATES)
+
+
+def test_gpu_loss_reports_each_variant_and_its_errors_catch_a_wrong_loss(tmp_path):
+    import bench.gpu_loss as gl
+
+    assert gl.main(["--tiny", "--device", "cpu", "--output", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu-loss-cpu.json").read_text())
+    (row,) = report["shapes"].values()
+    assert set(row["variants"]) == {"own", "eager", "fused"}
+    for name in ("eager", "fused"):  # float32-accurate losses of the bf16 values, bf16-rounded gradients
+        rec = row["variants"][name]
+        assert rec["ms"] > 0 and rec["loss_rel"] < 1e-6 and rec["grad_abs"] < 2e-3, (name, rec)
+    assert row["variants"]["own"]["loss_rel"] < 1e-6 and "grad_abs" not in row["variants"]["own"]
+    # the measure itself: a loss off by its target's logit (softmax without the one-hot) is reported, not hidden
+    b, T, V = 2, 16, 1000
+    logits = torch.randn(b, T, V).to(torch.bfloat16)
+    labels = torch.randint(0, V, (b, T))
+    wrong = gl.errors(lambda x, y: torch.logsumexp(x[:, :-1].float(), dim=2).mean(dim=1), logits, labels)
+    assert wrong["loss_rel"] > 1e-3 and wrong["grad_abs"] > 1e-2  # both far above the limits above
+    assert "| fused |" in (tmp_path / "gpu-loss-cpu.md").read_text()

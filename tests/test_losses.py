@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import platform
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import run_python
-from prismdp.losses import CHUNK_BYTES, causal_lm_losses
+from prismdp import losses
+from prismdp.losses import CHUNK_BYTES, causal_lm_losses, fused_usable
 
 
 def dense_reference(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -45,14 +47,25 @@ def _batch(dtype, b=5, T=11, V=53, seed=0):
 DTYPES = [(torch.float64, 1e-12, 1e-12), (torch.float32, 2e-6, 1e-6), (torch.bfloat16, 2e-6, 4e-3)]
 
 
+@pytest.fixture(autouse=True)
+def _fresh_compiler_caches():
+    # each test compiles the fused kernels afresh: dynamo's recompile limit (8 graphs per function) counts every dtype
+    # and chunk shape one process meets, more of them in this file than in any training run
+    torch._dynamo.reset()
+    losses._FUSED_USABLE.clear()
+    yield
+
+
 @pytest.mark.parametrize("dtype, tol, gtol", DTYPES)
 @pytest.mark.parametrize("gather", [False, True])
 @pytest.mark.parametrize("chunk", [1, 4, None])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_values_and_gradients_equal_the_dense_formula(dtype, tol, gtol, gather, chunk, reduction):
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+def test_values_and_gradients_equal_the_dense_formula(dtype, tol, gtol, gather, chunk, reduction, fused):
+    # fused: the torch.compile'd kernels (the CUDA default), compiled here by the CPU backend: the same math
     logits, labels = _batch(dtype)
     x = logits.clone().requires_grad_()
-    got = causal_lm_losses(x, labels, reduction, gather=gather, chunk_tokens=chunk)
+    got = causal_lm_losses(x, labels, reduction, gather=gather, chunk_tokens=chunk, fused=fused)
     assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)  # never bf16 accumulation
     weights = torch.linspace(-1.0, 2.0, len(got), dtype=torch.float64)
     (got.double() * weights).sum().backward()
@@ -94,6 +107,38 @@ def test_matches_torch_cross_entropy_over_the_transposed_logits():
     tok = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], reduction="none")
     count = (labels[:, 1:] != -100).sum(dim=1).clamp_min(1)
     torch.testing.assert_close(causal_lm_losses(logits, labels), tok.sum(dim=1) / count, rtol=1e-12, atol=1e-12)
+
+
+def test_a_training_run_compiles_each_fused_kernel_once():
+    # the compiled kernels must not recompile per step (seconds each on a GPU): the usability probe and every later
+    # call, with micro-batches of different lengths and a partial last chunk, share one graph per kernel
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    V = 97
+    for step in range(6):
+        T = 33 if step % 2 else 29
+        logits, labels = _batch(torch.bfloat16, T=T, V=V, seed=step)
+        assert fused_usable(logits.reshape(-1, V), torch.float32)
+        x = logits.requires_grad_()
+        causal_lm_losses(x, labels, fused=True, chunk_tokens=40).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+
+
+def test_a_compiler_failure_falls_back_to_the_eager_loss_with_one_warning(monkeypatch):
+    def broken(fn):
+        raise RuntimeError("no working C++ compiler / Triton here")
+
+    monkeypatch.setattr(losses, "_compiled", broken)
+    logits, labels = _batch(torch.float32)
+    flat = logits.reshape(-1, logits.shape[-1])
+    with pytest.warns(RuntimeWarning, match="compiled cross-entropy does not run on cpu.*RuntimeError: no working"):
+        assert not fused_usable(flat, torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reported once per device, dtype and vocabulary
+        assert not fused_usable(flat, torch.float32)
+        # on the CPU the default never tries the compiler (it would raise here)
+        torch.testing.assert_close(causal_lm_losses(logits, labels).double(), dense_reference(logits, labels))
 
 
 def test_bad_shapes_and_reductions_are_refused():
