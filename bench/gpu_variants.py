@@ -12,6 +12,8 @@ micro-batches of a size chosen per call:
                       as ``prism`` on the CPU.
 * ``prism-eager-loss`` PRISM with the chunked eager cross-entropy (``causal_lm_losses(..., fused=False)``), as before
                       the compiled one became the CUDA default; the same as ``prism`` on the CPU.
+* ``prism-summed-grads`` PRISM with autograd also computing the LoRA factors' batch-summed ``.grad`` in the recorded
+                      backward pass (``GradSampler.summed_lora_grads``), as before 2026-11-27.
 * ``opacus-dp-adamw`` Opacus' DP-AdamW: ``PrivacyEngine.make_private`` (hooks) around the same PEFT model,
                       micro-batches as virtual steps (``signal_skip_step``), as ``bench.workloads`` builds it.
 
@@ -45,6 +47,7 @@ class Spec:
     dropout: float = 0.0
     qr: str | None = None  # PRISM's thin QR (None: its default for the device)
     fused_loss: bool | None = None  # causal_lm_losses(fused=...) (None: its default for the device)
+    summed_grads: bool = False  # GradSampler.summed_lora_grads
 
 
 SPECS: Dict[str, Spec] = {
@@ -55,6 +58,7 @@ SPECS: Dict[str, Spec] = {
     "prism-dropout": Spec("prismdp", "prism", dropout=0.05),
     "prism-householder": Spec("prismdp", "prism", qr="householder"),
     "prism-eager-loss": Spec("prismdp", "prism", fused_loss=False),
+    "prism-summed-grads": Spec("prismdp", "prism", summed_grads=True),
     "opacus-dp-adamw": Spec("opacus"),
 }
 VARIANTS = tuple(SPECS)
@@ -150,6 +154,8 @@ def _prismdp(model: nn.Module, ids: Tensor, mask: Tensor, spec: Spec) -> Callabl
     private = make_private(model, method=spec.method, lr=LR, dataset_size=10 * n, batch_size=n, steps=10_000,
                            noise_multiplier=1.0 if spec.dp else None, max_grad_norm=1.0, seed=0,
                            **({"qr": spec.qr} if spec.qr else {}))
+    if spec.summed_grads:
+        private.grad_sampler.summed_lora_grads = True
 
     def losses_of(micro: list[int]) -> Tensor:
         s = slice(micro[0], micro[0] + len(micro))

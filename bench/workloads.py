@@ -18,6 +18,9 @@ Variants (:func:`available_variants`; the default run is :data:`VARIANTS`):
 * ``prism-bf16``, ``prism-ckpt``, ``prism-bf16-ckpt`` (opt-in, issue 12; :mod:`bench.scaling`) PRISM with the frozen
                       base model in bfloat16 (LoRA factors float32, as ``prismdp train --dtype bfloat16``) and/or
                       transformers' gradient checkpointing (``--gradient-checkpointing``, non-re-entrant).
+* ``prism-summed-grads`` (opt-in) PRISM with autograd also computing the LoRA factors' batch-summed ``.grad`` during
+                      the recorded backward pass (``GradSampler.summed_lora_grads``), as before 2026-11-27: what
+                      skipping those products gains.
 * ``opacus-dp-adamw`` Opacus' own DP-AdamW: ``PrivacyEngine.make_private`` (hooks mode) around the same PEFT
                       model, micro-batches as Opacus' virtual steps (``signal_skip_step``), as BatchMemoryManager
                       does.
@@ -43,7 +46,7 @@ REFERENCES = ("lora-adamw", "opacus-dp-adamw", OWN_LOSS)
 VARIANTS = ("lora-adamw", "dp-adamw", "prism", "opacus-dp-adamw", OWN_LOSS)  # the default run
 # selectable with --variants, not run by default: a registered method with one thing changed
 ABLATIONS = {"prism-no-dropout-comp": "prism", "prism-secure": "prism", "dp-adamw-secure": "dp-adamw",
-             "prism-bf16": "prism", "prism-ckpt": "prism", "prism-bf16-ckpt": "prism"}
+             "prism-bf16": "prism", "prism-ckpt": "prism", "prism-bf16-ckpt": "prism", "prism-summed-grads": "prism"}
 
 
 def available_variants() -> tuple[str, ...]:
@@ -250,6 +253,8 @@ def build_variant(name: str, w: Workload, base: nn.Module, shard: tuple[int, int
                                secure_noise=secure)
         if name == "prism-no-dropout-comp":
             private.start.dropout_compensation.remove()
+        if name == "prism-summed-grads":
+            private.grad_sampler.summed_lora_grads = True
         timer = Timer(clock)
         private = dataclasses.replace(private, optimizer=TimedOptimizer(private.optimizer, timer))
 

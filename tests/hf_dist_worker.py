@@ -36,6 +36,9 @@ def train(model_dir: str, out: str, method: str, rank: int, world: int) -> None:
     private = trainer.private
     assert private.world is not None and private.world.rank == rank
     probe = private.pairs[0].lora_B.weight
+    # test instrumentation: autograd's summed .grad of the factors too (training skips it), so that an all-reduce of
+    # .grad by DDP would show; the one-process run it is compared with skips it
+    private.grad_sampler.summed_lora_grads = True
     grads = []
     collect = private.grad_sampler.collect
 

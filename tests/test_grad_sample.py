@@ -60,6 +60,31 @@ def test_encoder_per_example_equals_loop_with_padding(start):
     _check(pe, rows, len(pairs), atol=1e-6)
 
 
+
+def test_a_recording_skips_the_summed_lora_weight_gradients_and_restores_requires_grad():
+    # the per-example gradients make autograd's batch-summed LoRA weight gradients redundant: while recording, each
+    # factor's forward runs with requires_grad off (restored right after), so the backward pass skips those products
+    model = tiny_llama()  # frozen embeddings: the first layer's LoRA input needs no gradient (the tap's anchor)
+    pairs = find_lora_pairs(model)
+    sampler = GradSampler(model, pairs)
+    ids, mask = padded_batch([6, 11, 4], vocab=120)
+    labels = ids.masked_fill(mask == 0, -100)
+    lora = [p for pair in pairs for p in pair.trained_params]
+    with sampler.record() as rec:
+        loss = causal_lm_losses(model(input_ids=ids, attention_mask=mask).logits, labels).sum()
+        assert all(p.requires_grad for p in lora)  # restored after each module's forward
+        loss.backward()
+    assert all(p.grad is None for p in lora)
+    assert sampler.grads(rec).batch_size == 3  # every pair recorded, the first layer's too
+    # outside a recording the factors train as usual
+    causal_lm_losses(model(input_ids=ids, attention_mask=mask).logits, labels).sum().backward()
+    assert all(p.grad is not None for p in lora)
+    # a forward that raises inside a factor still restores requires_grad
+    a = pairs[0].lora_A
+    with sampler.record(), pytest.raises(RuntimeError):
+        a(torch.randn(2, a.in_features + 1))
+    assert a.weight.requires_grad
+
 def test_decoder_per_example_equals_loop_with_padding():
     model = tiny_llama()
     pairs = find_lora_pairs(model)

@@ -220,11 +220,22 @@ def _losses_and_grads(model, pairs, ids, mask, labels, seed=5):
     from prismdp.losses import classification_losses
 
     sampler = GradSampler(model, pairs)
+    sampler.summed_lora_grads = True  # autograd's summed .grad too: a second oracle for the per-example gradients
     torch.manual_seed(seed)  # the same dropout masks in every call
     with sampler.record() as rec:
         losses = classification_losses(model(input_ids=ids, attention_mask=mask).logits, labels)
         losses.sum().backward()
     grads = [tuple(p.grad.clone() for p in pair.trained_params) for pair in pairs]
+    model.zero_grad(set_to_none=True)
+    # as training records them (no summed .grad, the factors' forward without requires_grad): the same gradients
+    sampler.summed_lora_grads = False
+    torch.manual_seed(seed)
+    with sampler.record() as bare:
+        classification_losses(model(input_ids=ids, attention_mask=mask).logits, labels).sum().backward()
+    assert all(p.grad is None for pair in pairs for p in pair.trained_params)
+    for got, ref in zip(sampler.grads(bare).lora, sampler.grads(rec).lora):
+        for g, r in zip(got, ref):
+            assert (g is None) == (r is None) and (g is None or torch.equal(g, r))
     model.zero_grad(set_to_none=True)
     sampler.close()
     return losses.detach(), grads, sampler.grads(rec)

@@ -15,6 +15,9 @@ alive until the end of the backward pass, and it works with gradient checkpointi
 re-entrant mode the first forward runs without grad (no tap) and the recomputation's taps fire; in non-re-entrant mode
 the recomputation only refills saved tensors, its taps never fire, and the first forward's taps get the recomputed
 inputs.  A module called twice in one forward (shared weights) contributes the sum of its calls, as autograd would.
+While recording, a LoRA factor's forward runs with its weight's ``requires_grad`` off (restored as it returns), so
+autograd computes no batch-summed ``.grad`` for the factors: the per-example gradients replace it, and its matrix
+products (as large as the taps' own) would be thrown away.
 
 Nothing is stored on parameters: :meth:`GradSampler.record` yields a :class:`Recording`, and
 :meth:`Recording.grads` returns an explicit :class:`PerExampleGrads`.
@@ -158,10 +161,14 @@ def float32_trainables(model: nn.Module, pairs: list[LoraPair]) -> list[str]:
 
 
 class _Tap(torch.autograd.Function):
-    """Identity on ``out``; its backward hands ``(inp, grad of out)`` to ``sink`` and lets the gradient through."""
+    """Identity on ``out``; its backward hands ``(inp, grad of out)`` to ``sink`` and lets the gradient through.
+    ``anchor`` (a scalar that requires grad, or None) makes the output require grad even when nothing else does: a
+    LoRA factor runs its forward with ``requires_grad`` off (see :meth:`GradSampler._tap`), and in the first layer its
+    input comes from frozen embeddings."""
 
     @staticmethod
-    def forward(ctx, out: Tensor, inp: Tensor, sink: Callable[[Tensor, Tensor], None]) -> Tensor:
+    def forward(ctx, out: Tensor, inp: Tensor, sink: Callable[[Tensor, Tensor], None], anchor: Tensor | None = None
+                ) -> Tensor:
         ctx.save_for_backward(inp)
         ctx.sink = sink
         return out.view_as(out)
@@ -170,7 +177,7 @@ class _Tap(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         (inp,) = ctx.saved_tensors
         ctx.sink(inp, grad)
-        return grad, None, None
+        return grad, None, None, None
 
 
 class Recording:
@@ -283,23 +290,52 @@ class GradSampler:
         self.dense_offsets = [sum(len(ps) for _, ps in self.dense[:j]) for j in range(len(self.dense))]
         self._rec: Recording | None = None
         self._handles = []
+        self._anchor = torch.zeros((), requires_grad=True)
+        #: True: let autograd also compute the LoRA factors' batch-summed ``.grad`` while recording (as before
+        #: 2026-11-27; bench's ``prism-summed-grads`` ablation measures what skipping it gains)
+        self.summed_lora_grads = False
         for k, pair in enumerate(pairs):
             if pair.trains_A:  # a frozen lora_A needs no per-example gradient
-                self._tap(pair.lora_A, lambda rec, k=k: rec.lora_sink(k, 1))
-            self._tap(pair.lora_B, lambda rec, k=k: rec.lora_sink(k, 0))
+                self._tap(pair.lora_A, lambda rec, k=k: rec.lora_sink(k, 1), own_grads=False)
+            self._tap(pair.lora_B, lambda rec, k=k: rec.lora_sink(k, 0), own_grads=False)
         for j, (module, _) in enumerate(self.dense):
             self._tap(module, lambda rec, j=j: rec.dense_sink(j))
 
-    def _tap(self, module: nn.Module, make_sink: Callable[[Recording], Callable]) -> None:
+    def _recording(self) -> bool:
+        return self._rec is not None and torch.is_grad_enabled()
+
+    def _tap(self, module: nn.Module, make_sink: Callable[[Recording], Callable], own_grads: bool = True) -> None:
+        """Tap ``module``'s output.  ``own_grads=False`` (LoRA factors): while recording, the module's forward runs
+        with its parameters' ``requires_grad`` off and restored right after, so the backward pass computes only the
+        gradient of its input, not the (b*T)-summed weight gradient the per-example gradients make redundant (a
+        matrix product as large as the tap's own per module, and the ``.grad`` buffers it fills); the tap's anchor
+        keeps the output in the graph."""
+        toggled: list[list[nn.Parameter]] = []
+
+        def pre_hook(module, inputs):
+            if self._recording() and not self.summed_lora_grads:
+                params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+                for p in params:
+                    p.requires_grad_(False)
+                toggled.append(params)
+
         def forward_hook(module, inputs, output):
+            if toggled:
+                for p in toggled.pop():
+                    p.requires_grad_(True)
             rec = self._rec
-            if rec is None or not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
+            if not self._recording() or not isinstance(output, Tensor):
                 return None
-            return _Tap.apply(output, inputs[0], make_sink(rec))
+            if own_grads:
+                return _Tap.apply(output, inputs[0], make_sink(rec)) if output.requires_grad else None
+            return _Tap.apply(output, inputs[0], make_sink(rec), self._anchor)
 
         # first among the module's forward hooks: the tap sees the module's own output (float32 for a head run in
-        # float32 inside a half-precision model, before it is cast back)
-        self._handles.append(module.register_forward_hook(forward_hook, prepend=True))
+        # float32 inside a half-precision model, before it is cast back); always_call: requires_grad is restored
+        # even when the forward raises
+        if not own_grads:
+            self._handles.append(module.register_forward_pre_hook(pre_hook, prepend=True))
+        self._handles.append(module.register_forward_hook(forward_hook, prepend=True, always_call=True))
 
     @contextlib.contextmanager
     def record(self) -> Iterator[Recording]:
