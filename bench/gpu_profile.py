@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
     p.add_argument("--micro", type=int, default=None, help="micro-batch size (default: the shape's largest)")
-    p.add_argument("--variants", default="reference,opacus-dp-adamw,no-dp,prism,prism-householder")
+    p.add_argument("--variants", default="reference,no-dp,dp-adamw,prism,prism-summed-grads")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--top", type=int, default=20)
