@@ -294,6 +294,15 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def write_report(output: str, name: str, report: dict, md: str) -> Path:
+    """``OUT/<name>-<device>.json`` and ``.md`` (each written atomically); prints the markdown; returns the stem."""
+    stem = Path(output) / f"{name}-{sanitize(report['environment']['device_name'])}"
+    _write(stem.with_suffix(".json"), json.dumps(report, indent=1) + "\n")
+    _write(stem.with_suffix(".md"), md)
+    print(md)
+    return stem
+
+
 def _csv(s: str) -> List[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 

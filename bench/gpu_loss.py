@@ -27,11 +27,9 @@ Writes ``OUT/gpu-loss-<device>.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Callable, Dict
 
 import torch
@@ -39,8 +37,7 @@ from torch import Tensor
 
 from prismdp.losses import causal_lm_losses
 
-from .gpu import _write, environment, timed_step
-from .gpu_models import sanitize
+from .gpu import environment, timed_step, write_report
 
 SHAPES = {"llama-3.2-1b (32 x 256 x 128,256)": (32, 256, 128256), "gemma-3 (16 x 256 x 262,144)": (16, 256, 262144)}
 TINY = {"tiny (2 x 16 x 1,000)": (2, 16, 1000)}
@@ -144,10 +141,7 @@ def main(argv=None) -> int:
     env = environment(device)
     report = {"command": ["python", "-m", "bench.gpu_loss", *(sys.argv[1:] if argv is None else argv)],
               "environment": env, "shapes": run(TINY if args.tiny else SHAPES, device, 2 if args.tiny else args.reps)}
-    stem = Path(args.output) / f"gpu-loss-{sanitize(env['device_name'])}"
-    _write(stem.with_suffix(".json"), json.dumps(report, indent=1) + "\n")
-    _write(stem.with_suffix(".md"), markdown(report))
-    print(markdown(report))
+    write_report(args.output, "gpu-loss", report, markdown(report))
     return 0
 
 

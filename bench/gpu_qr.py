@@ -31,10 +31,8 @@ Writes ``OUT/gpu-qr-<device>.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-from pathlib import Path
 from typing import Callable, Dict, Tuple
 
 import torch
@@ -42,8 +40,7 @@ from torch import Tensor
 
 from prismdp import geometry
 
-from .gpu import _write, environment, timed_step
-from .gpu_models import sanitize
+from .gpu import environment, timed_step, write_report
 
 LLAMA_1B = {"q (2048)": 2048, "k, v (512)": 512, "up / down (8192)": 8192}  # the rows of A or B per target family
 
@@ -155,10 +152,7 @@ def main(argv=None) -> int:
               "environment": env,
               "shapes": run(shapes, args.batch if not args.tiny else 2, args.rank if not args.tiny else 4, device,
                             args.reps if not args.tiny else 2)}
-    stem = Path(args.output) / f"gpu-qr-{sanitize(env['device_name'])}"
-    _write(stem.with_suffix(".json"), json.dumps(report, indent=1) + "\n")
-    _write(stem.with_suffix(".md"), markdown(report))
-    print(markdown(report))
+    write_report(args.output, "gpu-qr", report, markdown(report))
     return 0
 
 
