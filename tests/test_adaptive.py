@@ -159,3 +159,44 @@ def test_the_equivariance_test_has_power():
         A, B = _post_process(opts, A, B, *lifts[0], st1, 0.2, diagonal=True)
         A2, B2 = _post_process(opts, A2, B2, *lifts[1], st2, 0.2, diagonal=True)
     assert not torch.allclose(A2 @ B2.T, A @ B.T, rtol=1e-6, atol=1e-8)
+
+
+def test_the_adaptive_direction_is_the_papers_formula_written_out_in_numpy():
+    """Three steps of ``adaptive_direction`` (paper preset: debiased second moments, additive floor of the noise's
+    mean eigenvalue, condition clamp) on a stack of two modules with m != n, against the formula in numpy float64:
+    V_A <- b2 V_A + (1 - b2) dA^T dA / m, V_B likewise with n; bias-corrected; minus the noise's second moments
+    tau^2 (m - r) / m (B^T B)^-1 and tau^2 (A^T A)^-1; P = (max(V, 0) + floor + eps)^-1/2 through numpy's own
+    eigendecomposition; U_A = m_A / (1 - b1^t) P_A, U_B = m_B / (1 - b1^t) P_B (each side its own P)."""
+    import numpy as np
+
+    k, m, n, r, tau, eps, (b1, b2) = 2, 10, 6, 3, 0.3, 1e-8, (0.9, 0.99)
+    pairs = [balanced(m, n, r, seed=s, spread=20.0) for s in (0, 5)]
+    A, B = torch.stack([a for a, _ in pairs]), torch.stack([b for _, b in pairs])
+    fr, opts, state = geometry.frame(A, B), AdaptiveOptions(), {}
+    An, Bn = A.numpy(), B.numpy()
+    noise_A = tau**2 * (m - r) / m * np.linalg.inv(np.swapaxes(Bn, 1, 2) @ Bn)
+    noise_B = tau**2 * np.linalg.inv(np.swapaxes(An, 1, 2) @ An)
+    ref = {"mA": 0.0, "mB": 0.0, "VA": 0.0, "VB": 0.0}
+
+    def inv_sqrt(V, floor):
+        w, Q = np.linalg.eigh(0.5 * (V + np.swapaxes(V, 1, 2)))
+        w = np.clip(w, 0.0, None) + floor[:, None] + eps
+        w = np.maximum(w, w.max(axis=1, keepdims=True) / opts.cond_max)
+        return (Q / np.sqrt(w)[:, None, :]) @ np.swapaxes(Q, 1, 2)
+
+    for t in range(1, 4):
+        dA, dB = rand(k, m, r, seed=10 * t), rand(k, n, r, seed=10 * t + 1) * 3.0  # the two sides differ in scale
+        UA, UB, _ = adaptive_direction(state, fr, dA, dB, tau, (b1, b2), eps, opts)
+        a, b = dA.numpy(), dB.numpy()
+        ref["mA"] = b1 * ref["mA"] + (1 - b1) * a
+        ref["mB"] = b1 * ref["mB"] + (1 - b1) * b
+        ref["VA"] = b2 * ref["VA"] + (1 - b2) * np.swapaxes(a, 1, 2) @ a / m
+        ref["VB"] = b2 * ref["VB"] + (1 - b2) * np.swapaxes(b, 1, 2) @ b / n
+        VA = ref["VA"] / (1 - b2**t) - noise_A
+        VB = ref["VB"] / (1 - b2**t) - noise_B
+        floor_A = np.trace(noise_A, axis1=1, axis2=2) / r
+        floor_B = np.trace(noise_B, axis1=1, axis2=2) / r
+        want_A = ref["mA"] / (1 - b1**t) @ inv_sqrt(VA, floor_A)
+        want_B = ref["mB"] / (1 - b1**t) @ inv_sqrt(VB, floor_B)
+        np.testing.assert_allclose(UA.numpy(), want_A, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(UB.numpy(), want_B, rtol=1e-9, atol=1e-12)

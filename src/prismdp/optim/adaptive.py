@@ -158,7 +158,14 @@ def adaptive_direction(state: dict, fr: geometry.Frame, dA: Tensor, dB: Tensor, 
             VA, VB = VA - noise_A, VB - noise_B
         floor_A, floor_B = floors(options, noise_A, noise_B, tau)
     clamp = options.floor_mode in ("geometry", "scalar")
-    PA, wA = precondition(VA, floor_A, eps, options.cond_max, clamp)
-    PB, wB = precondition(VB, floor_B, eps, options.cond_max, clamp)
+    # one batched eigendecomposition for both sides (on CUDA each call is a cuSOLVER launch and a host read of its
+    # status: half of them per step)
+    if torch.is_tensor(floor_A) or floor_A != floor_B:
+        floor = torch.stack([torch.as_tensor(f, dtype=torch.float64, device=VA.device).expand(*VA.shape[:-2], 1)
+                             for f in (floor_A, floor_B)])
+    else:  # one float floor for both
+        floor = floor_A
+    P, w = precondition(torch.stack([VA, VB]), floor, eps, options.cond_max, clamp)
+    (PA, PB), (wA, wB) = P.unbind(0), w.unbind(0)
     bc1 = 1 - beta1**t
     return (state["mA"] / bc1) @ PA.to(dA.dtype), (state["mB"] / bc1) @ PB.to(dB.dtype), (PA, wA, PB, wB)
