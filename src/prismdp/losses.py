@@ -12,6 +12,7 @@ is therefore a few chunks and one float per token, never a float32 copy of the w
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -74,14 +75,13 @@ def _fused_grad(x: Tensor, safe: Tensor, lse: Tensor, g: Tensor) -> Tensor:
     return ((torch.exp(x.to(lse.dtype) - lse[:, None]) - hit.to(lse.dtype)) * g).to(x.dtype)
 
 
-_COMPILED: dict = {}  # function -> its torch.compile'd version, built once per process
 _FUSED_USABLE: dict = {}  # (device, dtype, acc, V) -> whether the compiled kernels ran there
 
 
+@functools.cache
 def _compiled(fn):
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
-    return _COMPILED[fn]
+    """``fn`` compiled, once per process."""
+    return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
 def _probe(flat: Tensor, acc: torch.dtype) -> None:
