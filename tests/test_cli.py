@@ -530,3 +530,23 @@ def test_bf16_checkpointed_run_tracks_float32_and_exports_an_adapter_for_the_ori
     with torch.no_grad():
         a, b = loaded(input_ids=ids).logits.float(), res.model(input_ids=ids).logits.float()
     assert float((a - b).abs().max()) < 0.02 * float(b.abs().max())
+
+
+def test_threads_hold_for_the_run_only_and_a_resume_may_change_them(tiny_bert_dir, tmp_path):
+    """--threads sets torch's CPU threads while the run computes (seen from its setup hook, before the first step) and
+    gives the caller's setting back after it, also after an interrupted run; a resume with another thread count goes on
+    (the count changes how the run computes, not what); zero threads are refused."""
+    before = torch.get_num_threads()
+    want = 2 if before == 1 else 1
+    seen = []
+    out = tmp_path / "run"
+    hook = dict(QUIET, setup=lambda run: seen.append(torch.get_num_threads()))
+    cfg = dict(steps=4, checkpoint_every=2)
+    assert train(tiny_cfg(tiny_bert_dir, out, threads=want, **cfg), stop_after=2, **hook).summary == \
+        {"interrupted_at": 2}
+    assert seen == [want] and torch.get_num_threads() == before
+    assert json.loads((out / "config.json").read_text())["threads"] == want
+    res = train(tiny_cfg(tiny_bert_dir, out, **cfg), resume=True, **hook)
+    assert seen == [want, before] and torch.get_num_threads() == before and "privacy" in res.summary
+    with pytest.raises(ConfigError, match="threads: must be a positive integer or null, got 0"):
+        TrainConfig(threads=0)

@@ -36,7 +36,7 @@ from .tuning import Plan, is_done
 __all__ = ["run_experiment", "ExperimentRun", "config_mismatch", "claim", "release"]
 
 _RESOLVED_DEFAULTS = ("lr", "target_modules")  # None in the grid, filled in by the trainer
-_PLACE_KEYS = ("output", "device")  # where a run happened, not what it computed
+_PLACE_KEYS = ("output", "device", "threads")  # where and how a run happened, not what it computed
 
 
 @dataclass

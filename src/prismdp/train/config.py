@@ -86,6 +86,10 @@ class TrainConfig:
     noise_threads: int | None = _opt(None, "--secure-noise: CPU threads drawing the noise (default: torch's "
                                            "intra-op threads; torchrun sets 1 per process, so under torchrun give "
                                            "each process its share of the host's cores, e.g. cores / processes)")
+    threads: int | None = _opt(None, "CPU threads of torch's operators during the run (torch.set_num_threads; "
+                                     "default torch's own: OMP_NUM_THREADS, else every core; torchrun sets 1 per "
+                                     "process). On a CPU shared with another busy job give each its share, e.g. "
+                                     "--threads 1 beside one other job on 2 cores")
     max_length: int = _opt(128, "tokens per example (default 128)")
     train_on_inputs: bool = _opt(False, "causal LM tasks: train on the prompt tokens too")
     init: str = _opt("spectral", "the rank-r start: top-r SVD part of the base weight, or a small random one",
@@ -183,7 +187,7 @@ class TrainConfig:
             bad("noise_threads", "sets the threads of --secure-noise's ChaCha20 noise; add --secure-noise or leave "
                                  "it out")
         for key in ("train_examples", "eval_examples", "max_new_tokens", "holdout_val", "holdout_test",
-                    "noise_threads"):
+                    "noise_threads", "threads"):
             v = getattr(self, key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 bad(key, f"must be a positive integer or null, got {v!r}")

@@ -42,7 +42,7 @@ from .tasks import evaluate_classification
 __all__ = ["train", "TrainResult", "RunExistsError", "TrainingInterrupted"]
 
 # Keys that may differ between an interrupted run and its resumption.
-_RESUMABLE_DIFFS = {"output"}
+_RESUMABLE_DIFFS = {"output", "threads"}  # where the files go, how many CPU threads compute
 
 
 @dataclass
@@ -132,6 +132,17 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
     Under ``torchrun`` (or in an initialised process group) every process runs this with the same configuration: they
     train one private run together (:mod:`prismdp.distributed`); rank 0 alone writes files, shows progress and
     evaluates."""
+    threads = torch.get_num_threads()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _train(cfg, resume, stop_after, progress, log, setup, extend_data)
+    finally:
+        torch.set_num_threads(threads)  # the caller's setting again (a library call, e.g. an experiment's next cell)
+
+
+def _train(cfg: TrainConfig, resume: bool, stop_after: int | None, progress: bool, log, setup, extend_data
+           ) -> TrainResult:
     world = init_from_env()
     main = world is None or world.main
     if not main:
