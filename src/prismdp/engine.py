@@ -157,6 +157,15 @@ class PrivateLoRA:
     lockstep: bool = False  # forward passes are collectives (a sharded base, prismdp.sharding): see idle()
     _seen: int = field(default=0, repr=False)
 
+    def __post_init__(self):
+        # the parameters that can hold a gradient, listed once: model.zero_grad() walks every module of the model at
+        # each call (host time: ~4 ms per call on Llama-3.2-1B's 16 layers with PEFT LoRA, 2-3 calls per step)
+        self._trained = [p for p in self.model.parameters() if p.requires_grad]
+
+    def _clear_grads(self) -> None:
+        for p in self._trained:
+            p.grad = None
+
     @property
     def private(self) -> bool:
         return self.mechanism is not None
@@ -197,7 +206,7 @@ class PrivateLoRA:
         if self.private:
             grads = self.grad_sampler.collect()
             self.optimizer.accumulate(grads if groups is None else grads.sum_by(groups, n_units))
-            self.model.zero_grad(set_to_none=True)
+            self._clear_grads()
         else:
             self._seen += n_units
 
@@ -206,7 +215,7 @@ class PrivateLoRA:
         if not self.private:
             seen = self._seen
             if self.world is not None:  # the mean over every rank's examples
-                trained = [p for p in self.model.parameters() if p.requires_grad]
+                trained = self._trained
                 for p in trained:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
@@ -214,13 +223,13 @@ class PrivateLoRA:
                 self.world.all_reduce_sum([p.grad for p in trained] + [count], "non-private gradient mean")
                 seen = int(count.item())
             if seen:
-                for p in self.model.parameters():
+                for p in self._trained:
                     if p.grad is not None:
                         p.grad.div_(seen)
             stats = {"batch_size": float(seen)}
             self._seen = 0
         self.optimizer.step()
-        self.model.zero_grad(set_to_none=True)
+        self._clear_grads()
         if self.private:
             stats = dict(self.optimizer.last_stats)
         return stats
@@ -235,7 +244,7 @@ class PrivateLoRA:
         try:
             yield
         finally:
-            self.model.zero_grad(set_to_none=True)
+            self._clear_grads()
             if armed:
                 self.grad_sampler.arm()
 
@@ -247,7 +256,7 @@ class PrivateLoRA:
     def check_replicas(self, step: int) -> None:
         """Multi-process runs: fail loudly unless every rank holds the same trained tensors (no-op in one process)."""
         if self.world is not None:
-            self.world.check_replicas([p for p in self.model.parameters() if p.requires_grad], step)
+            self.world.check_replicas(self._trained, step)
 
     @property
     def epsilon(self) -> float:
