@@ -102,6 +102,14 @@ SHAPES: Dict[str, Shape] = {
                              num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=8,
                              layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=32,
                              max_position_embeddings=64, tie_word_embeddings=True), 4, 16, (2, 4), rank=4),
+    # Llama-3.2-1B's structure (16 layers, the same five targets and four stacks, logical batch 32 as
+    # micro-batches of 16 / 32) at width 64: the real shape's operators and kernel launches at a size where the
+    # host's work is the step (a host-bound GPU step's cost, measured on the CPU)
+    "narrow-llama": Shape("narrow-llama", "Llama-3.2-1B's structure at width 64 (16 layers, LoRA r 4 on "
+                          "q/k/v/up/down), logical batch 32 x 16 tokens", "llama",
+                          dict(LLAMA_1B, vocab_size=256, hidden_size=64, intermediate_size=256, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, max_position_embeddings=64),
+                          32, 16, (16, 32), rank=4),
 }
 GPU_SHAPES = ("llama-3.2-1b", "gemma-3-4b")
 TINY_SHAPES = ("tiny-llama", "tiny-gemma")
