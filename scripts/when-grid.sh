@@ -7,6 +7,9 @@
 #
 #   bash scripts/when-grid.sh [OUT]          # default OUT: runs/cpu-minilm-when
 #   NICE=19 bash scripts/when-grid.sh        # lower priority (share the machine)
+#   RESUME_FROM=/path/to/main/docs/results-cpu/when/results.csv bash scripts/when-grid.sh
+#                                            # the run folders were lost (a new machine): the cells of the committed
+#                                            # results.csv count as done, only the others train
 #
 # Run it from a worktree pinned to one commit (config.json of every cell records code_version).
 set -uo pipefail
@@ -14,6 +17,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:-runs/cpu-minilm-when}
 CONFIG=configs/cpu-minilm-when.yaml
 ARCHIVE=docs/results-cpu/benchmark/results.csv
+RESUMED=(${RESUME_FROM:+--results-from "$RESUME_FROM"})
 PRISMDP=${PRISMDP:-.venv/bin/prismdp}
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT/logs"
@@ -22,7 +26,8 @@ phase() {  # phase NAME ARGS...: two processes on the selected cells, wait for b
   local name=$1; shift
   echo "$(date -u +%FT%TZ) phase $name: $*" | tee -a "$OUT/logs/phases.log"
   for p in a b; do
-    nice -n "${NICE:-0}" $PRISMDP experiment "$CONFIG" --output "$OUT" --results-from "$ARCHIVE" --quiet "$@" \
+    nice -n "${NICE:-0}" $PRISMDP experiment "$CONFIG" --output "$OUT" --results-from "$ARCHIVE" "${RESUMED[@]}" \
+      --quiet "$@" \
       >> "$OUT/logs/$name-$p.log" 2>&1 &
   done
   wait
@@ -50,5 +55,6 @@ phase x4-eps6 --tasks mnli-x4,qqp-x4 --privacy 6
 phase qqp-x2-eps6 --tasks qqp-x2 --privacy 6
 phase mrpc-eps6 --tasks mrpc --privacy 6
 phase mrpc-eps1-8 --tasks mrpc --privacy 1,8
-"$PRISMDP" experiment "$CONFIG" --output "$OUT" --results-from "$ARCHIVE" --tables-only > "$OUT/logs/tables.log" 2>&1
+"$PRISMDP" experiment "$CONFIG" --output "$OUT" --results-from "$ARCHIVE" "${RESUMED[@]}" --tables-only \
+  > "$OUT/logs/tables.log" 2>&1
 echo "$(date -u +%FT%TZ) done" | tee -a "$OUT/logs/phases.log"
