@@ -78,6 +78,18 @@ MUTANTS = {
  "M20 ranks map their draws onto rank 0's examples": ("src/prismdp/privacy/sampling.py",
    "yield torch.nonzero(u < self.sample_rate).flatten() * world + rank",
    "yield torch.nonzero(u < self.sample_rate).flatten() * world"),
+ "M21 per-example gradients b times too large (reference code's loss x b under Opacus' rescale)": (
+   "src/prismdp/engine.py",
+   "        losses.sum().backward()\n",
+   "        (losses.sum() * losses.numel()).backward()\n"),
+ "M22 one coefficient for the micro-batch (the aggregate clipped, not each example)": (
+   "src/prismdp/privacy/clipping.py",
+   "norms = torch.where(finite, sq_norms, torch.zeros_like(sq_norms)).clamp_min(0).sqrt()",
+   "norms = torch.where(finite, sq_norms, torch.zeros_like(sq_norms)).clamp_min(0).sqrt().sum()"
+   ".expand_as(sq_norms)"),
+ "M23 dense parameters never updated (reference code's head)": ("src/prismdp/optim/prism.py",
+   "        if not self.dense_params:\n            return\n        group = self.param_groups[1]",
+   "        return\n        group = self.param_groups[1]"),
 }
 TESTS = ["tests/test_mechanism.py", "tests/test_privacy.py", "tests/test_engine.py", "tests/test_geometry.py",
          "tests/test_losses.py", "tests/test_user_level.py", "tests/test_grad_sample.py", "tests/test_adaptive.py",

@@ -30,6 +30,34 @@ def test_every_method_runs_private_and_spends_the_same_budget(method):
     assert ref.dp.noise_multiplier == private.dp.noise_multiplier
 
 
+@pytest.mark.parametrize("method", ["prism", "dp-adamw"])
+def test_the_per_example_gradient_entering_the_clipper_is_that_of_the_examples_own_loss(method):
+    """What ``backward`` hands to the optimizer's clipping for each example of a micro-batch equals the gradient of that
+    example's loss computed alone (autograd on a batch of one), for every LoRA factor and the head: not b times it
+    (the reference code's micro-batch mean x b under Opacus' own rescaling, planted: fails), not a mixture of the
+    examples."""
+    X, Y = net_batch(6, seed=4)
+    model = tiny_net(seed=1)
+    private = make_private(model, method=method, lr=1e-2, dataset_size=60, batch_size=6, steps=2,
+                           noise_multiplier=1.0, seed=0)
+    seen = []
+    accumulate = private.optimizer.accumulate
+    private.optimizer.accumulate = lambda grads: (seen.append(grads), accumulate(grads))
+    private.backward(classification_losses(model(X), Y))
+    (got,) = seen
+    private.grad_sampler.disarm()
+    dense = private.grad_sampler.dense_params
+    assert len(got.lora) == len(private.pairs) == 3 and len(dense) == len(got.dense) > 0
+    for i in range(6):
+        model.zero_grad(set_to_none=True)
+        classification_losses(model(X[i:i + 1]), Y[i:i + 1]).sum().backward()
+        for pair, (g_B, g_A_T) in zip(private.pairs, got.lora):
+            torch.testing.assert_close(g_B[i], pair.lora_B.weight.grad)
+            torch.testing.assert_close(g_A_T[i], pair.lora_A.weight.grad.T)
+        for p, g in zip(dense, got.dense):
+            torch.testing.assert_close(g[i], p.grad)
+
+
 def test_nonprivate_prism_learns():
     X, Y = net_batch(128, seed=2)
     Y = (X[:, :, 0].mean(1) > 0).long()
