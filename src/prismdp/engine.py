@@ -159,7 +159,8 @@ class PrivateLoRA:
 
     def __post_init__(self):
         # the parameters that can hold a gradient, listed once: model.zero_grad() walks every module of the model at
-        # each call (host time: ~4 ms per call on Llama-3.2-1B's 16 layers with PEFT LoRA, 2-3 calls per step)
+        # each call (0.76 ms of host time per call on Llama-3.2-1B's structure with PEFT LoRA, 1,017 modules, on
+        # this project's CPU; 2-3 calls per step)
         self._trained = [p for p in self.model.parameters() if p.requires_grad]
 
     def _clear_grads(self) -> None:

@@ -311,7 +311,7 @@ class GradSampler:
         matrix product as large as the tap's own per module, and the ``.grad`` buffers it fills); the tap's anchor
         keeps the output in the graph."""
         toggled: list[list[nn.Parameter]] = []
-        own = list(module.parameters(recurse=False))  # listed once: parameters() costs ~10 us of host time per call
+        own = list(module.parameters(recurse=False))  # listed once: parameters() costs ~2.3 us of host time a call
 
         def pre_hook(module, inputs):
             if self._recording() and not self.summed_lora_grads:
