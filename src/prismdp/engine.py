@@ -163,9 +163,13 @@ class PrivateLoRA:
         # this project's CPU; 2-3 calls per step)
         self._trained = [p for p in self.model.parameters() if p.requires_grad]
 
-    def _clear_grads(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``model.zero_grad`` over the trained parameters only (the others never hold a gradient)."""
         for p in self._trained:
-            p.grad = None
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.detach_().zero_()
 
     @property
     def private(self) -> bool:
@@ -207,7 +211,7 @@ class PrivateLoRA:
         if self.private:
             grads = self.grad_sampler.collect()
             self.optimizer.accumulate(grads if groups is None else grads.sum_by(groups, n_units))
-            self._clear_grads()
+            self.zero_grad()
         else:
             self._seen += n_units
 
@@ -230,7 +234,7 @@ class PrivateLoRA:
             stats = {"batch_size": float(seen)}
             self._seen = 0
         self.optimizer.step()
-        self._clear_grads()
+        self.zero_grad()
         if self.private:
             stats = dict(self.optimizer.last_stats)
         return stats
@@ -245,7 +249,7 @@ class PrivateLoRA:
         try:
             yield
         finally:
-            self._clear_grads()
+            self.zero_grad()
             if armed:
                 self.grad_sampler.arm()
 

@@ -160,7 +160,7 @@ class _StepOptimizer:
             private.check_replicas(step)  # every rank must hold the same trained tensors
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.trainer.model.zero_grad(set_to_none=set_to_none)
+        self.trainer.private.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
         return {}
