@@ -93,6 +93,22 @@ def test_flops_per_token_against_the_built_models_linear_layers(name):
         assert f["total"] == pytest.approx(4.9e9, rel=0.05)  # ~4 N per token for LoRA training
 
 
+def test_narrow_llama_has_llama_1b_s_structure():
+    """The CPU stand-in for a host-bound Llama-3.2-1B step: the same modules by name (meta device), hence the same
+    LoRA targets, stacks of equal shape and operators per step, the same logical batch and micro-batches."""
+    from prismdp.lora import find_lora_pairs, stack_by_shape
+
+    from bench.gpu_variants import _peft
+
+    narrow, real = SHAPES["narrow-llama"], SHAPES["llama-3.2-1b"]
+    assert (narrow.batch, narrow.micro_sizes[-1], narrow.targets) == (real.batch, real.micro_sizes[-1], real.targets)
+    models = [_peft(build_base(s, "meta"), s, 0.0) for s in (narrow, real)]
+    names = [[n for n, _ in m.named_modules()] for m in models]
+    assert names[0] == names[1] and len(names[0]) > 1000
+    stacks = [stack_by_shape(find_lora_pairs(m)) for m in models]
+    assert stacks[0] == stacks[1] and len(stacks[0]) == 4
+
+
 def test_peak_table_and_file_names():
     assert bf16_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
     assert bf16_peak_tflops("NVIDIA H200") == 989.0
