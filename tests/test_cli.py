@@ -41,6 +41,18 @@ def test_epsilon_command_matches_the_library(capsys):
     assert "above 100" in capsys.readouterr().err
 
 
+def test_a_command_prints_nothing_but_its_answer():
+    """In a fresh interpreter (the optional backends imported as a user's shell would import them): stdout the epsilon,
+    stderr empty. bitsandbytes' CPU backend (peft imports it) warned on every command, on CPUs with AVX512-BF16, that
+    it could not fetch an optional kernel from the Hub; torchao warned for each CUDA kernel a CPU build lacks."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "prismdp", "epsilon", "--sigma", "1", "--sample-rate", "0.01", "--steps",
+                        "10"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stderr == "" and float(r.stdout) == pytest.approx(epsilon(1.0, 0.01, 10, 1e-5),
+                                                                                     rel=1e-5)
+
+
 def test_epsilon_command_refuses_a_delta_that_makes_the_guarantee_vacuous(capsys):
     """At delta 0.5 Opacus' PRV gives epsilon -0.68 for this run (and cannot compute one at all for others): an error
     naming delta, exit 2, nothing on stdout.  With --dataset-size, a delta >= 1/N is refused as in training."""

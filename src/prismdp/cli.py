@@ -245,11 +245,13 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 def _quiet_optional_backends() -> None:
     """transformers imports torchao wherever it is installed; on a CPU build torchao then logs a warning for each
-    CUDA kernel it cannot load (and torch one for each enum it registers): noise on every command, none of it
-    about this run."""
+    CUDA kernel it cannot load (and torch one for each enum it registers); peft imports bitsandbytes, whose CPU
+    backend, on a CPU with AVX512-BF16, warns that it could not fetch an optional 4-bit kernel from the Hugging Face
+    Hub (its package ``kernels`` missing or offline; bitsandbytes' own CPU kernel is used): noise on every command,
+    none of it about this run."""
     import logging
 
-    for name in ("torchao", "torch.utils._pytree"):
+    for name in ("torchao", "torch.utils._pytree", "bitsandbytes.backends.cpu.ops"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
