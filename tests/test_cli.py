@@ -562,3 +562,20 @@ def test_threads_hold_for_the_run_only_and_a_resume_may_change_them(tiny_bert_di
     assert seen == [want, before] and torch.get_num_threads() == before and "privacy" in res.summary
     with pytest.raises(ConfigError, match="threads: must be a positive integer or null, got 0"):
         TrainConfig(threads=0)
+
+
+def test_the_lora_model_is_built_without_a_warning():
+    """peft 0.21 reads transformers 5's deprecated ``is_gradient_checkpointing``: a FutureWarning on every run, about
+    neither this run nor anything the user can change; ``build_lora_model`` builds the PEFT model without it."""
+    import warnings
+
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from prismdp.train.build import build_lora_model
+
+    base = BertForSequenceClassification(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                                    num_attention_heads=2, intermediate_size=16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model, targets, _ = build_lora_model(TrainConfig(rank=2, alpha=4.0), base, "seq_cls")
+    assert targets and any("lora_A" in n for n, _ in model.named_parameters())
