@@ -132,9 +132,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
     Under ``torchrun`` (or in an initialised process group) every process runs this with the same configuration: they
     train one private run together (:mod:`prismdp.distributed`); rank 0 alone writes files, shows progress and
     evaluates."""
+    if cfg.threads is None:
+        return _train(cfg, resume, stop_after, progress, log, setup, extend_data)
     threads = torch.get_num_threads()
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(cfg.threads)
     try:
         return _train(cfg, resume, stop_after, progress, log, setup, extend_data)
     finally:
