@@ -20,7 +20,7 @@ T=$(mktemp -d); R=$(mktemp -d); KEPT=$(mktemp)
 trap 'rm -rf "$T" "$R" "$KEPT"' EXIT
 cp "$ARCHIVE" "$KEPT"  # the archive may be the file this script overwrites
 for d in "$RUNS"/*/; do
-  [ -f "$d/summary.json" ] && ln -s "$(cd "$d" && pwd)" "$T/$(basename "$d")"
+  if [ -f "$d/summary.json" ]; then ln -s "$(cd "$d" && pwd)" "$T/$(basename "$d")"; fi
 done
 "$PRISMDP" experiment "$CONFIG" --output "$T" --results-from "$BENCH" --results-from "$KEPT" --tables-only > /dev/null
 "$PRISMDP" experiment "$CONFIG" --output "$R" --results-from "$BENCH" --results-from "$T/results.csv" --tables-only \
@@ -31,7 +31,7 @@ done
 echo "tables rebuilt byte for byte from the new results.csv"
 echo "finished run folders here: $(find "$T" -mindepth 1 -maxdepth 1 -type l | wc -l)"
 for c in "$T"/*/config.json; do
-  [ -f "$c" ] && grep -o '"code_version": *"[^"]*"' "$c"
+  if [ -f "$c" ]; then grep -o '"code_version": *"[^"]*"' "$c" || echo "no code_version: $c"; fi
 done | sort | uniq -c
 cp "$T/results.csv" "$T/results.md" "$T/budget.png" docs/results-cpu/when/
 if [ -f "$RUNS/logs/phases.log" ]; then cp "$RUNS/logs/phases.log" docs/results-cpu/when/phases.log; fi
