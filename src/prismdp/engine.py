@@ -164,7 +164,8 @@ class PrivateLoRA:
         self._trained = [p for p in self.model.parameters() if p.requires_grad]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """``model.zero_grad`` over the trained parameters only (the others never hold a gradient)."""
+        """``model.zero_grad`` over the parameters that required a gradient when this object was made (the others
+        never hold one; a parameter unfrozen later is not cleared here)."""
         for p in self._trained:
             if set_to_none:
                 p.grad = None
