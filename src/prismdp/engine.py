@@ -221,12 +221,11 @@ class PrivateLoRA:
         if not self.private:
             seen = self._seen
             if self.world is not None:  # the mean over every rank's examples
-                trained = self._trained
-                for p in trained:
+                for p in self._trained:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                 count = torch.tensor([float(seen)], dtype=torch.float64)
-                self.world.all_reduce_sum([p.grad for p in trained] + [count], "non-private gradient mean")
+                self.world.all_reduce_sum([p.grad for p in self._trained] + [count], "non-private gradient mean")
                 seen = int(count.item())
             if seen:
                 for p in self._trained:

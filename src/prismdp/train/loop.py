@@ -132,14 +132,23 @@ def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = No
     Under ``torchrun`` (or in an initialised process group) every process runs this with the same configuration: they
     train one private run together (:mod:`prismdp.distributed`); rank 0 alone writes files, shows progress and
     evaluates."""
-    if cfg.threads is None:
+    with _torch_threads(cfg.threads):
         return _train(cfg, resume, stop_after, progress, log, setup, extend_data)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int | None):
+    """torch's CPU threads set to ``n`` inside, the caller's count again after (a library call, e.g. an experiment's
+    next cell); ``None`` leaves them alone."""
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
     try:
-        return _train(cfg, resume, stop_after, progress, log, setup, extend_data)
+        yield
     finally:
-        torch.set_num_threads(threads)  # the caller's setting again (a library call, e.g. an experiment's next cell)
+        torch.set_num_threads(before)
 
 
 def _train(cfg: TrainConfig, resume: bool, stop_after: int | None, progress: bool, log, setup, extend_data
