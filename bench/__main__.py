@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from prismdp.train.profile import PeakMemory, status_kb
 
 from . import extrapolate as extrap
 from . import train_job
-from . import code_commit
+from .common import environment, interleaved_round, write
 from .micro import HostSyncCounter, run_micro
 from .workloads import ABLATIONS, CLOCKS, VARIANTS, WORKLOADS, available_variants, build_variant
 
@@ -57,30 +56,6 @@ TRAIN_JOBS = ("W0", "W1", "W2")
 
 def _csv(s: str) -> List[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
-
-
-def interleaved_round(parts: Dict[str, list], clock, interleave: str = "micro") -> Dict[str, float]:
-    """One step of every variant (``parts[name]``: its step as callables, micro-batches then update), timed with
-    ``clock``: variant after variant (``step``: A B C D) or part after part (``micro``: the first micro-batch of
-    A B C D, then the second ..., the variant order rotated from part to part), so that every variant's step is
-    measured under the same machine load to within one micro-batch's time.  Returns each variant's step time."""
-    names = list(parts)
-    took = dict.fromkeys(names, 0.0)
-    if interleave == "step":
-        for n in names:
-            t = clock()
-            for part in parts[n]:
-                part()
-            took[n] = clock() - t
-        return took
-    for j in range(max(len(p) for p in parts.values())):
-        k = j % len(names)
-        for n in names[k:] + names[:k]:
-            if j < len(parts[n]):
-                t = clock()
-                parts[n][j]()
-                took[n] += clock() - t
-    return took
 
 
 def time_steps(workload: str, variants: List[str], steps: int, warmup: int, log=print, clock=time.perf_counter,
@@ -270,19 +245,6 @@ def markdown(report: dict) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def _environment(threads: int) -> dict:
-    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": code_commit(),
-            "torch": torch.__version__, "threads": threads, "cpus": os.cpu_count(),
-            "machine": f"{platform.machine()} {platform.processor() or platform.system()}"}
-
-
-def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -336,7 +298,7 @@ def main(argv=None) -> int:
     load0 = os.getloadavg()[0]
     report = {"quick": args.quick, "steps": args.steps, "warmup": args.warmup, "clock": args.clock,
               "interleave": args.interleave,
-              "environment": _environment(args.threads), "workloads": [], "memory": {}, "notes": args.note}
+              "environment": environment(args.threads), "workloads": [], "memory": {}, "notes": args.note}
     for wl in workloads:
         if wl == "W0":
             methods = [m for m in train_job.METHODS if m in args.variants]
@@ -357,9 +319,9 @@ def main(argv=None) -> int:
     report["environment"]["load"] = {"start": load0, "end": os.getloadavg()[0]}
     out = Path(args.output)
     stem = "bench-quick" if args.quick else "bench"
-    _write(out / f"{stem}.json", json.dumps(report, indent=2) + "\n")
+    write(out / f"{stem}.json", json.dumps(report, indent=2) + "\n")
     md = markdown(report)
-    _write(out / f"{stem}.md", md)
+    write(out / f"{stem}.md", md)
     print(md)
     print(f"[bench] wrote {out / (stem + '.json')} and {out / (stem + '.md')}")
     return 0

@@ -152,7 +152,7 @@ def markdown(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from .__main__ import _environment, _write
+    from .common import environment, write
 
     p = argparse.ArgumentParser(prog="python -m bench.loss", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default="W2", help="a causal-LM workload of bench.workloads (default W2)")
@@ -171,11 +171,11 @@ def main(argv=None) -> int:
         p.error(f"unknown section {bad} or workload {args.workload!r}; sections {list(SECTION_TITLES)}, "
                 f"workloads {list(WORKLOADS)}")
     report = run(args.workload, args.rounds, args.warmup, args.clock, sections)
-    report["environment"], report["notes"] = _environment(args.threads), args.note
+    report["environment"], report["notes"] = environment(args.threads), args.note
     out = Path(args.output)
-    _write(out / "loss.json", json.dumps(report, indent=2) + "\n")
+    write(out / "loss.json", json.dumps(report, indent=2) + "\n")
     md = markdown(report)
-    _write(out / "loss.md", md)
+    write(out / "loss.md", md)
     print(md)
     print(f"[bench.loss] wrote {out / 'loss.json'} and {out / 'loss.md'}")
     return 0

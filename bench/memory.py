@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     if args.one:
         print(json.dumps(measure_one(args.one, args.steps)))
         return 0
-    from bench.__main__ import _environment, _write
+    from bench.common import environment, write
 
     rows = []
     for path in args.rows or ():
@@ -188,11 +188,11 @@ def main(argv=None) -> int:
             for ckpt in (False, True):
                 e = estimate(MODELS[model], weights, ckpt, ck if ckpt else c, 8, 512, 16, 8)
                 ext.append({"model": model, "weights": weights, "checkpointing": ckpt, **e})
-    env = _environment(2)
+    env = environment(2)
     out = Path(args.output)
-    _write(out / "memory.json", json.dumps({"environment": env, "measured": rows, "coefficients": coeff,
+    write(out / "memory.json", json.dumps({"environment": env, "measured": rows, "coefficients": coeff,
                                             "extrapolated": ext}, indent=2) + "\n")
-    _write(out / "memory.md", _markdown(rows, ext, coeff, env))
+    write(out / "memory.md", _markdown(rows, ext, coeff, env))
     print((out / "memory.md").read_text())
     return 0
 

@@ -23,7 +23,7 @@ from typing import Callable, Dict, List
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.__main__ import _environment, _write
+from bench.common import environment, write
 from bench.workloads import WORKLOADS, build_variant
 
 COMP = ("_StartedProject", "_StartedCombine")  # the started pairs' fused LoRA branch (forward and backward nodes)
@@ -135,15 +135,15 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     variants = [v for v in a.variants.split(",") if v]
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "environment": _environment(a.threads),
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "environment": environment(a.threads),
               "steps": a.steps, "warmup": a.warmup, "reference": variants[0], "workloads": []}
     for wl in [w for w in a.workloads.split(",") if w]:
         vs = [v for v in variants if wl != "W0" or v in ("dp-adamw", "prism", "lora-adamw")]
         report["workloads"].append(run(wl, vs, a.steps, a.warmup))
     out = Path(a.output)
     out.mkdir(parents=True, exist_ok=True)
-    _write(out / "profile.json", json.dumps(report, indent=1))
-    _write(out / "profile.md", markdown(report, a.top))
+    write(out / "profile.json", json.dumps(report, indent=1))
+    write(out / "profile.md", markdown(report, a.top))
     print(f"[profile] wrote {out / 'profile.md'}")
     return 0
 

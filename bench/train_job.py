@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
+from .common import interleaved_round
+
 MATH10K = Path("/work/shared/data/math/math_10k.json")
 
 JOBS: Dict[str, dict] = {
@@ -103,10 +105,8 @@ def _parts(run, batch) -> list:
 
 def time_job(job: str, methods: List[str], steps: int, warmup: int, log=print, clock=time.perf_counter,
              interleave: str = "micro") -> dict:
-    """The job's methods stepped interleaved (:func:`bench.__main__.interleaved_round`) on the same Poisson batches
+    """The job's methods stepped interleaved (:func:`bench.common.interleaved_round`) on the same Poisson batches
     (drawn by the first method's sampler); the same result layout as the workloads'."""
-    from .__main__ import interleaved_round
-
     t0 = time.perf_counter()
     runs = {m: _build(job, m) for m in methods}
     if any(r.data.units is not None for r in runs.values()):

@@ -15,9 +15,10 @@ Variants (:func:`available_variants`; the default run is :data:`VARIANTS`):
 * ``prism-secure``, ``dp-adamw-secure`` (opt-in) the same with ``secure_noise=True``: noise and Poisson
                       inclusions from OS-keyed ChaCha20, noise as Holohan-Braghin sums of four normals
                       (:mod:`prismdp.privacy.secure`).
-* ``prism-bf16``, ``prism-ckpt``, ``prism-bf16-ckpt`` (opt-in, issue 12; :mod:`bench.scaling`) PRISM with the frozen
-                      base model in bfloat16 (LoRA factors float32, as ``prismdp train --dtype bfloat16``) and/or
-                      transformers' gradient checkpointing (``--gradient-checkpointing``, non-re-entrant).
+* ``prism-bf16``, ``prism-ckpt``, ``prism-bf16-ckpt`` (opt-in, issue 12; :mod:`bench.studies.scaling`) PRISM with
+                      the frozen base model in bfloat16 (LoRA factors float32, as ``prismdp train --dtype
+                      bfloat16``) and/or transformers' gradient checkpointing (``--gradient-checkpointing``,
+                      non-re-entrant).
 * ``prism-summed-grads`` (opt-in) PRISM with autograd also computing the LoRA factors' batch-summed ``.grad`` during
                       the recorded backward pass (``GradSampler.summed_lora_grads``), as before 2026-11-27: what
                       skipping those products gains.
@@ -215,7 +216,7 @@ def build_variant(name: str, w: Workload, base: nn.Module, shard: tuple[int, int
                   clock: Callable[[], float] = time.perf_counter) -> Variant:
     """A fresh PEFT copy of ``base`` set up for variant ``name``, with its step function.  ``shard = (rank, size)``:
     a private variant's step runs the micro-batches ``rank, rank + size, ...`` of the logical batch (one process of a
-    multi-process run, :mod:`bench.scaling`); ``clock`` times its mechanism."""
+    multi-process run, :mod:`bench.studies.scaling`); ``clock`` times its mechanism."""
     if name not in available_variants():
         raise ValueError(f"unknown variant {name!r}; choose from {available_variants()}")
     torch.manual_seed(0)

@@ -5,7 +5,7 @@
 # GPU benchmark (python -m bench.gpu) in the time left, all within about 9 minutes. Results go to
 # $OUT (the device tool's folder) or bench/results.
 #   PARTS=profile,qr,bench bash scripts/gpu-check.sh   # other parts, in this order: paths (bench.gpu_paths),
-#                                                      # qr (bench.gpu_qr, ~10 s), loss (bench.gpu_loss, ~1 min),
+#                                                      # qr (bench.studies.gpu_qr, ~10 s), loss (bench.gpu_loss, ~1 min),
 #                                                      # profile (bench.gpu_profile, ~1 min), bench (bench.gpu, the
 #                                                      # time left, extra arguments in BENCH_ARGS);
 #                                                      # default PARTS=paths,loss,profile,bench; TOTAL=540 (s)
@@ -29,7 +29,7 @@ if [[ $PARTS == *,paths,* ]]; then
   paths=${PIPESTATUS[0]}
 fi
 if [[ $PARTS == *,qr,* ]]; then
-  timeout 60 $PY -m bench.gpu_qr --output "$OUTDIR" 2>&1 | tail -20
+  timeout 60 $PY -m bench.studies.gpu_qr --output "$OUTDIR" 2>&1 | tail -20
 fi
 if [[ $PARTS == *,loss,* ]]; then
   timeout 150 $PY -m bench.gpu_loss --output "$OUTDIR" 2>&1 | tail -12

@@ -90,8 +90,92 @@ def test_no_tool_patches_another_modules_attributes():
     files = sorted(SRC.rglob("*.py")) + sorted((root / "bench").rglob("*.py"))
     bad = [hit for p in files for hit in _module_patches(p.read_text(), str(p.relative_to(root)))]
     assert not bad, bad
-    # the check catches the patches bench/ablation.py and diagnostics/probe.py made before they had seams
+    # the check catches the patches bench/studies/ablation.py and diagnostics/probe.py made before they had seams
     patches = ("from prismdp import geometry\nfrom prismdp.optim import prism as prism_module\n"
                "prism_module.precondition = lambda *a: None\ngeometry.projected_grad_norm_sq_balanced = None\n"
                "setattr(prism_module, 'contributing', None)\nx = prism_module.precondition\n")
     assert len(_module_patches(patches, "old")) == 3
+
+
+def _runtime_imports(tree: ast.AST):
+    """The import statements of ``tree`` that can run, at any depth (a function's lazy import runs when it is
+    called); those under ``if TYPE_CHECKING:`` are left out (annotations only, never run)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """Each module of the package in folder ``package`` -> the modules of that package it imports (relative imports
+    resolved; ``from m import x`` is an import of ``m.x`` when that is a module, else of ``m``)."""
+    files = {}
+    for p in package.rglob("*.py"):
+        parts = p.relative_to(package.parent).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    graph = {}
+    for name, p in files.items():
+        here = name if p.name == "__init__.py" else name.rpartition(".")[0]
+        deps = set()
+        for node in _runtime_imports(ast.parse(p.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+                continue
+            base = here.split(".")[: len(here.split(".")) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            deps |= {f"{mod}.{a.name}" if f"{mod}.{a.name}" in files else mod for a in node.names}
+        graph[name] = {d for d in deps if d in files and d != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Import cycles of ``graph`` as paths ``a, b, ..., a`` (depth-first: at least one whenever there is any)."""
+    state, path, found = {}, [], []
+
+    def visit(m):
+        state[m] = "open"
+        path.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == "open":
+                found.append(path[path.index(d):] + [d])
+            elif d not in state:
+                visit(d)
+        path.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    return found
+
+
+def test_no_import_cycle_in_the_package_or_the_benchmarks():
+    """No module of ``src/prismdp`` or of ``bench/`` imports, directly or through others, a module that imports it
+    back (a lazy import inside a function counts: it only hides the cycle until the call)."""
+    for package in (SRC, SRC.parents[1] / "bench"):
+        graph = import_graph(package)
+        assert len(graph) > 10, package  # the walk found the package's modules
+        assert not import_cycles(graph), [" -> ".join(c) for c in import_cycles(graph)]
+
+
+def test_the_cycle_check_finds_a_lazy_cycle_and_ignores_type_checking_imports(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from . import b\nfrom .sub import c\n")  # c: a module of the subpackage
+    (pkg / "b.py").write_text("def f():\n    from .sub.c import g\n")  # lazy
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "c.py").write_text("import pkg.a\n")  # closes a -> b -> sub.c -> a
+    (pkg / "d.py").write_text("from typing import TYPE_CHECKING\nfrom . import a\nif TYPE_CHECKING:\n"
+                              "    from .e import E\n")
+    (pkg / "e.py").write_text("from .d import x\n")  # d -> e only for annotations: no cycle
+    graph = import_graph(pkg)
+    assert graph["pkg.a"] == {"pkg.b", "pkg.sub.c"} and graph["pkg.d"] == {"pkg.a"} and graph["pkg.e"] == {"pkg.d"}
+    assert import_cycles(graph) == [["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]]
+    (pkg / "sub" / "c.py").write_text("import os\n")
+    assert import_cycles(import_graph(pkg)) == []

@@ -1,12 +1,16 @@
 """The benchmark runner's bookkeeping on tiny random models (no timing asserts: timings here are meaningless)."""
 
+import importlib
 import json
+import re
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
 
-from bench.__main__ import interleaved_round, main, markdown, measure_memory
+from bench.__main__ import main, markdown, measure_memory
+from bench.common import interleaved_round
 from bench.micro import HostSyncCounter, run_micro
 from bench.workloads import VARIANTS, WORKLOADS
 
@@ -93,7 +97,7 @@ def test_secure_noise_variants_are_timed_beside_the_default(tmp_path):
 
 
 def test_secure_noise_draw_benchmark_writes_its_table(tmp_path):
-    from bench.secure_noise import main as secure_main
+    from bench.studies.secure_noise import main as secure_main
 
     assert secure_main(["--workloads", "tiny-bert", "--rounds", "2", "--dataset", "1000", "--threads", "1",
                         "--output", str(tmp_path)]) == 0
@@ -109,7 +113,7 @@ def test_secure_noise_written_out_llama_1b_shapes_match_the_model():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from bench.secure_noise import _shapes
+    from bench.studies.secure_noise import _shapes
 
     cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                       num_key_value_heads=8, head_dim=64, vocab_size=128256)
@@ -242,3 +246,16 @@ def test_the_benchmarks_old_loss_is_the_formula_before_issue_30():
     labels[0, :4] = -100
     torch.testing.assert_close(old_causal_lm_losses(logits, labels).double(), causal_lm_losses(logits, labels),
                                rtol=1e-6, atol=1e-6)
+
+
+def test_every_study_imports_and_has_its_section_and_command_in_docs_studies():
+    """bench/studies/ holds the one-off studies that still run: each imports, and docs/studies.md has its section and
+    exact command; a deleted study's section says so ("deleted") and names the commit it ran at."""
+    root = Path(__file__).resolve().parents[1]
+    names = sorted(p.stem for p in (root / "bench" / "studies").glob("*.py") if p.stem != "__init__")
+    text = (root / "docs" / "studies.md").read_text()
+    sections = re.findall(r"^## (\w+):(.*)$", text, re.M)
+    assert sorted(name for name, title in sections if "deleted" not in title) == names
+    for name in names:
+        assert f"python -m bench.studies.{name}" in text, name
+        assert callable(importlib.import_module(f"bench.studies.{name}").main), name

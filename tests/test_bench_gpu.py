@@ -318,7 +318,7 @@ def test_gpu_profile_counts_each_kernel_once_and_writes_its_tables(tmp_path):
 
 @pytest.mark.parametrize("dtype, gram", [(torch.float64, None), (torch.float32, torch.float64)])
 def test_gpu_qr_cholesky_qr2_is_the_qr_of_a_float64_householder_reference(tmp_path, dtype, gram):
-    import bench.gpu_qr as gq
+    import bench.studies.gpu_qr as gq
 
     X = gq.factors(3, 200, 6, cond=1e4, device="cpu", seed=3).to(dtype)  # Q and R come back in X's dtype
     Q, R = gq.cholqr2(X, dtype, gram=gram)

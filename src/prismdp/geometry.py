@@ -62,7 +62,7 @@ def default_qr(device: torch.device, dtype: torch.dtype) -> str:
 
     On a GPU ``torch.linalg.qr`` of a (k, m, r) batch runs cuSOLVER's unblocked kernels once per matrix, where
     CholeskyQR is a few batched products, r x r factorisations and triangular solves; on the CPU LAPACK's Householder
-    QR is faster (measured: docs/gpu.md, ``bench.gpu_qr``).
+    QR is faster (measured: docs/gpu.md, ``bench.studies.gpu_qr``).
     """
     return "cholesky" if device.type == "cuda" and dtype != torch.float64 else "householder"
 

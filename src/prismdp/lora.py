@@ -399,8 +399,8 @@ class StartDropoutCompensation:
     It replaced forward hooks that added ``Z0 (x - drop(x))`` to the layer's output on top of a base holding
     ``W0 - Z0`` (an elementwise pass over x, two rank-r products forward, a read-modify-write of the output, two
     products and two gradient accumulations over x backward).  Measured on one PEFT layer (forward + backward with the
-    gradient sampler's taps, one thread, ``python -m bench.compensation``, three runs each on a shared machine), the
-    layer's time over the same layer without compensation went from 1.11-1.14 to 1.04-1.08 at W0's shape
+    gradient sampler's taps, one thread, ``python -m bench.studies.compensation``, three runs each on a shared
+    machine), the layer's time over the same layer without compensation went from 1.11-1.14 to 1.04-1.08 at W0's shape
     (384 -> 384, r 4, 8 x 32 tokens), from 1.135-1.14 to 1.07-1.08 at W1's (r 16, 4 x 128) and from 1.07-1.10 to
     1.04-1.05 at W2's up_proj (576 -> 1536, r 16, 4 x 128).
     """

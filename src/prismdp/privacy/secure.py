@@ -124,7 +124,8 @@ class SecureRandom:
         if device.type != "cuda":
             return total.to(device=device, dtype=dtype)
         # on a GPU: cast on the CPU straight into page-locked memory (half the bytes of float64 for float32), then
-        # one asynchronous copy per tensor; the host does not wait for the device (bench/secure_noise.py: costs)
+        # one asynchronous copy per tensor; the host does not wait for the device (costs:
+        # bench/studies/secure_noise.py)
         staged = torch.empty(total.shape, dtype=dtype, pin_memory=True)
         staged.copy_(total)
         return staged.to(device, non_blocking=True)

@@ -12,7 +12,8 @@ synthetic per-example gradients, batch 8 as 2 micro-batches of 4.  Variants, int
 * ``all-off``        the three together.
 * ``dp-adamw``       prismdp's factor-space DP-AdamW mechanism on the same gradients, for reference.
 
-Run: ``python -m bench.ablation [--threads 2] [--steps 10]``; writes ``bench/results/ablation.json`` and ``.md``.
+Run: ``python -m bench.studies.ablation [--threads 2] [--steps 10]``; writes ``bench/results/ablation.json`` and
+``.md``.
 """
 
 from __future__ import annotations
@@ -73,11 +74,11 @@ def _setup(base, variant):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.ablation", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.studies.ablation", description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--output", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--output", default=str(Path(__file__).resolve().parents[1] / "results"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -7,7 +7,7 @@ meta device and receive their shards (``prismdp.sharding.shard_from_rank0``).
 2. *Building*: ``build_run`` with ``fsdp=True`` on two gloo processes (torchrun), each sampling its RssAnon every
    3 ms: the peak during the build over the memory before it, per rank.
 
-    PYTHONPATH=src python -m bench.host_memory [--layers 8 --hidden 1024] [--output bench/results/host-memory]
+    PYTHONPATH=src python -m bench.studies.host_memory [--layers 8 --hidden 1024] [--output bench/results/host-memory]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from prismdp.train.profile import status_kb
 
-from .gpu_paths import OFFLINE, write_data
+from ..gpu_paths import OFFLINE, write_data
 
 
 def anon_mb() -> int:
@@ -132,10 +132,10 @@ def main() -> None:
         folder = Path(tmp)
         result = {"model": make_model(folder, args.layers, args.hidden), "read": [], "build": []}
         for dtype in ("bfloat16", "float32"):
-            result["read"] += _results([sys.executable, "-m", "bench.host_memory", "--read", tmp, dtype], env)
+            result["read"] += _results([sys.executable, "-m", "bench.studies.host_memory", "--read", tmp, dtype], env)
             result["build"] += _results([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                          "--master-addr", "127.0.0.1", "--master-port", "29561", "-m",
-                                         "bench.host_memory", "--build", tmp, dtype], env)
+                                         "bench.studies.host_memory", "--build", tmp, dtype], env)
     result["torch"], result["date"] = torch.__version__, time.strftime("%Y-%m-%d")
     import transformers
 

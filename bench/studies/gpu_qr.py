@@ -22,8 +22,8 @@ Errors, against float64 arithmetic: ``max |Q^T Q - I|`` and ``||Q R - X|| / ||X|
 values span a condition number of 1e1, 1e3 and 1e5 (PRISM keeps balanced factors: cond(A) = sqrt(cond(A B^T))).
 Times: medians of ``--reps`` CUDA-synchronised calls after warm-up, per shape.
 
-    python -m bench.gpu_qr                       # Llama-3.2-1B's LoRA shapes, r 16, 16 layers, on cuda
-    python -m bench.gpu_qr --tiny --device cpu   # a check of the script
+    python -m bench.studies.gpu_qr                       # Llama-3.2-1B's LoRA shapes, r 16, 16 layers, on cuda
+    python -m bench.studies.gpu_qr --tiny --device cpu   # a check of the script
 
 Writes ``OUT/gpu-qr-<device>.json`` and ``.md``.
 """
@@ -40,7 +40,7 @@ from torch import Tensor
 
 from prismdp import geometry
 
-from .gpu import environment, timed_step, write_report
+from ..gpu import environment, timed_step, write_report
 
 LLAMA_1B = {"q (2048)": 2048, "k, v (512)": 512, "up / down (8192)": 8192}  # the rows of A or B per target family
 
@@ -137,7 +137,7 @@ def markdown(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_qr", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.studies.gpu_qr", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch", type=int, default=16, help="layers per batched call (Llama-3.2-1B: 16)")
     p.add_argument("--rank", type=int, default=16)
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     shapes = {"tiny (64)": 64, "tiny (256)": 256} if args.tiny else LLAMA_1B
     env = environment(device)
-    report = {"command": ["python", "-m", "bench.gpu_qr", *(sys.argv[1:] if argv is None else argv)],
+    report = {"command": ["python", "-m", "bench.studies.gpu_qr", *(sys.argv[1:] if argv is None else argv)],
               "environment": env,
               "shapes": run(shapes, args.batch if not args.tiny else 2, args.rank if not args.tiny else 4, device,
                             args.reps if not args.tiny else 2)}

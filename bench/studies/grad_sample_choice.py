@@ -2,7 +2,7 @@
 
 Times forward + backward + per-example LoRA factor gradients for one micro-batch on the packaged MiniLM-L6
 (LoRA r 16 on query/key/value, micro-batch 4, length 128), interleaved, after warm-up.  Writes
-bench/results/grad_sample_choice.json.  Run: ``python bench/grad_sample_choice.py``.
+bench/results/grad_sample_choice.json.  Run: ``python -m bench.studies.grad_sample_choice``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForSequenceClassification
@@ -21,6 +22,8 @@ from prismdp.losses import classification_losses
 from prismdp.models import default_encoder_path
 from prismdp.train.build import build_lora_model
 from prismdp.train.config import TrainConfig
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"  # bench/results
 
 
 def build():
@@ -93,9 +96,8 @@ def main(steps: int = 10, warmup: int = 3, b: int = 4, T: int = 128):
     base = res["own_hooks"]
     out = {"workload": f"MiniLM-L6 seq-cls, LoRA r16 q/k/v, micro-batch {b}, length {T}", "median_s": res,
            "ratio_to_own_hooks": {k: (v / base if v else None) for k, v in res.items()}}
-    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-    with open(os.path.join(os.path.dirname(__file__), "results", "grad_sample_choice.json"), "w") as f:
-        json.dump(out, f, indent=2)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "grad_sample_choice.json").write_text(json.dumps(out, indent=2))
     print(json.dumps(out, indent=2))
 
 

@@ -5,9 +5,9 @@ Variants, interleaved in every round: ``comp`` (the rank-r start with LoRA dropo
 PRISM runs), ``no-comp`` (the same after ``start.dropout_compensation.remove()``: dropout also hits ``Z0 x``, not
 exact) and ``plain`` (PEFT's start, no rank-r start: what dp-adamw runs).  Reported: medians of per-round ratios.
 It uses only the public API, so the same file times any checkout: ``PYTHONPATH=<checkout>/src python -m
-bench.compensation``.
+bench.studies.compensation``.
 
-    python -m bench.compensation [--rounds 30] [--reps 20]
+    python -m bench.studies.compensation [--rounds 30] [--reps 20]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from .micro import _OneLinear  # the one-Linear model the micro-benchmarks wrap in PEFT
+from ..micro import _OneLinear  # the one-Linear model the micro-benchmarks wrap in PEFT
 
 SHAPES = {  # name: (m, n, r, batch, length)
     "W0 384->384 r4 8x32": (384, 384, 4, 8, 32),

@@ -2,7 +2,7 @@
 seed and steps).
 
 Writes bench/results/sst2_methods.json and .md: dev accuracy, epsilon and median step time per method.
-Run: ``python bench/sst2_methods.py [--data ../shared/data/glue] [--steps 100]``.  Every method runs at the
+Run: ``python -m bench.studies.sst2_methods [--data ../shared/data/glue] [--steps 100]``.  Every method runs at the
 learning rate of the built-in demo task (its registered ``lr["demo"]``: sized for ~100 private steps; the paper's GLUE
 rates are for 500 steps of a 4B model) unless ``--lr METHOD=VALUE`` is given.
 """
@@ -23,7 +23,7 @@ from prismdp.train.loop import train
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"))
+    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[3] / "shared" / "data" / "glue"))
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch-size", type=float, default=128)
     ap.add_argument("--train-examples", type=int, default=None, help="default: all 67,349")
@@ -31,7 +31,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--methods", default=",".join(METHODS), help="default: every registered method")
     ap.add_argument("--lr", action="append", default=[], help="METHOD=VALUE overrides")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     args = ap.parse_args(argv)
     lrs = dict(kv.split("=") for kv in args.lr)
     rows = []

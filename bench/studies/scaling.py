@@ -1,4 +1,5 @@
-"""Issue 12's benchmarks: prismdp the way users scale it, measured on this CPU (``python -m bench.scaling``).
+"""Issue 12's benchmarks: prismdp the way users scale it, measured on this CPU
+(``python -m bench.studies.scaling``).
 
 1. Precision and checkpointing (W2, SmolLM2-135M, PRISM): the frozen base model in float32 or bfloat16 (LoRA factors,
    per-example gradients and PRISM's math float32, as ``prismdp train --dtype bfloat16``), with or without transformers'
@@ -31,7 +32,7 @@ PRECISION_VARIANTS = ("prism", "prism-bf16", "prism-ckpt", "prism-bf16-ckpt")
 
 
 def precision(workload: str, steps: int, warmup: int, threads: int, memory: bool, log=print) -> dict:
-    from .__main__ import measure_memory, time_steps
+    from ..__main__ import measure_memory, time_steps
 
     res = time_steps(workload, list(PRECISION_VARIANTS), steps, warmup, log=log)
     out = {"timing": res}
@@ -62,7 +63,7 @@ def _rank_worker(rank: int, world: int, init_file: str, workload: str, steps: in
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
     try:
-        from .workloads import WORKLOADS, build_variant
+        from ..workloads import WORKLOADS, build_variant
 
         w = WORKLOADS[workload]
         v = build_variant("prism", w, w.load(), shard=(rank, world))
@@ -75,7 +76,7 @@ def _rank_worker(rank: int, world: int, init_file: str, workload: str, steps: in
 
 
 def _one_process(workload: str, steps: int, warmup: int, threads: int) -> List[float]:
-    from .workloads import WORKLOADS, build_variant
+    from ..workloads import WORKLOADS, build_variant
 
     torch.set_num_threads(threads)
     w = WORKLOADS[workload]
@@ -155,9 +156,9 @@ def markdown(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from .__main__ import _environment, _write
+    from ..common import environment, write
 
-    p = argparse.ArgumentParser(prog="python -m bench.scaling", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.studies.scaling", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2, help="threads of the precision runs (default 2)")
@@ -167,12 +168,12 @@ def main(argv=None) -> int:
     p.add_argument("--process-workload", default="W1")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--note", action="append", default=[])
-    p.add_argument("--output", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--output", default=str(Path(__file__).resolve().parents[1] / "results"))
     args = p.parse_args(argv)
     parts = {x.strip() for x in args.parts.split(",") if x.strip()}
     load0 = os.getloadavg()[0]
     report: Dict = {"threads": args.threads, "steps": args.steps, "warmup": args.warmup,
-                    "environment": _environment(args.threads), "notes": args.note}
+                    "environment": environment(args.threads), "notes": args.note}
     if "precision" in parts:
         torch.set_num_threads(args.threads)
         report["precision"] = precision(args.precision_workload, args.steps, args.warmup, args.threads,
@@ -181,9 +182,9 @@ def main(argv=None) -> int:
         report["processes"] = processes(args.process_workload, args.steps, args.warmup, args.pairs)
     report["environment"]["load"] = {"start": load0, "end": os.getloadavg()[0]}
     out = Path(args.output)
-    _write(out / "scaling.json", json.dumps(report, indent=2) + "\n")
+    write(out / "scaling.json", json.dumps(report, indent=2) + "\n")
     md = markdown(report)
-    _write(out / "scaling.md", md)
+    write(out / "scaling.md", md)
     print(md)
     return 0
 

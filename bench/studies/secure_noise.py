@@ -7,7 +7,7 @@ coordinate, :class:`prismdp.privacy.secure.SecureRandom`), interleaved round by 
 inclusion uniforms.  The full-step ratio comes from ``python -m bench --variants prism,prism-secure,...``; this
 isolates the part that changes, which is far less noisy on a shared machine.
 
-    python -m bench.secure_noise --workloads W1,W2 --rounds 20 --output bench/results/secure-noise
+    python -m bench.studies.secure_noise --workloads W1,W2 --rounds 20 --output bench/results/secure-noise
 
 On a GPU (issue 30) the default noise is drawn on the device by torch's CUDA generator (Philox); secure noise is drawn
 on the CPU (ChaCha20 has no GPU kernel in randomgen), summed and cast to float32 there into page-locked memory and
@@ -16,7 +16,8 @@ copied to the device asynchronously.  The CPU part is what this measures (the ``
 ``llama-3.2-1b-r16`` gives the noise shapes of LoRA r 16 on q/k/v/up/down of Llama-3.2-1B, written out from its
 dimensions (no model is built):
 
-    python -m bench.secure_noise --workloads llama-3.2-1b-r16 --rounds 5 --output bench/results/secure-noise/gpu-shapes
+    python -m bench.studies.secure_noise --workloads llama-3.2-1b-r16 --rounds 5 \
+        --output bench/results/secure-noise/gpu-shapes
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 
 from prismdp.privacy.secure import SecureRandom, TorchNoise
 
-from .workloads import WORKLOADS, _peft
+from ..workloads import WORKLOADS, _peft
 
 
 #: Llama-3.2-1B: 16 layers, hidden 2048, MLP 8192, 8 KV heads of 64; each LoRA target as (out m, in n)

@@ -3,7 +3,7 @@ weights quantized by bitsandbytes (NF4 4-bit, LLM.int8 8-bit; ``prismdp.models.q
 fixed sentences.  An adapter exported from a run on the quantized base computes on the original float base exactly
 this much differently from the trained model (``(W0 - Q(W0)) x``, layer by layer), and nothing else.
 
-    PYTHONPATH=src python -m bench.dequant_error [--output bench/results/memory]
+    PYTHONPATH=src python -m bench.studies.dequant_error [--output bench/results/memory]
 """
 
 from __future__ import annotations
@@ -44,13 +44,13 @@ def measure() -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.dequant_error", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.studies.dequant_error", description=__doc__.split("\n\n")[0])
     p.add_argument("--output", default="bench/results/memory")
     args = p.parse_args(argv)
-    from bench.__main__ import _environment, _write
+    from bench.common import environment, write
 
     res = measure()
-    env = _environment(torch.get_num_threads())
+    env = environment(torch.get_num_threads())
     lines = ["# De-quantization error of SmolLM2-135M", "", f"{env['date']}, commit {env['commit']}, torch "
              f"{env['torch']}. Float32 base (the packaged GGUF, de-quantized on load) against the same weights "
              "quantized by bitsandbytes; 3 sentences, next-token loss and logits over their tokens.", "",
@@ -60,8 +60,8 @@ def main(argv=None) -> int:
         lines.append(f"| {kind} | {r['loss_quantized']:.4f} | {r['relative_rms_logit_diff']:.4f} | "
                      f"{r['max_abs_logit_diff']:.2f} (of {r['max_abs_logit']:.1f}) | {r['top1_agreement']:.3f} |")
     out = Path(args.output)
-    _write(out / "dequant_error.json", json.dumps({"environment": env, "results": res}, indent=2) + "\n")
-    _write(out / "dequant_error.md", "\n".join(lines) + "\n")
+    write(out / "dequant_error.json", json.dumps({"environment": env, "results": res}, indent=2) + "\n")
+    write(out / "dequant_error.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
