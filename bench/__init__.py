@@ -1,4 +1,5 @@
-"""prismdp's benchmarks (run ``python -m bench --help`` from the repository root)."""
+"""prismdp's maintained benchmarks (run ``python -m bench --help`` from the repository root); the one-off studies
+are in :mod:`bench.studies` (docs/studies.md)."""
 
 import subprocess
 from pathlib import Path
