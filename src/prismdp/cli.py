@@ -5,6 +5,7 @@
     prismdp epsilon --target-epsilon E --sample-rate Q --steps T           calibrated sigma
     prismdp experiment CONFIG.yaml [--output OUT] [--set KEY=VALUE ...]    a grid of runs + Table-2 style tables
     prismdp audit [train flags] --canaries M [--canary-kind gradient|input]  one-run privacy audit (audit.json)
+    prismdp tune [train flags] --lrs A,B,C --trials geometric:8 --epsilon E   tuning inside the budget (docs/tuning.md)
 """
 
 from __future__ import annotations
@@ -89,6 +90,61 @@ def _add_experiment(sub) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+_TUNE_HELP = """\
+Random search inside the privacy budget (Papernot and Steinke, ICLR 2022). The number of trials K is drawn at random
+from --trials (once, before any trial: saved in OUTPUT/tune.json); each trial draws its learning rate from --lrs (and
+its clipping bound / rank from --max-grad-norms / --ranks, if given), trains a full private run like `prismdp train`,
+and is scored by a noisy accuracy on the validation split carved from the training data (--holdout-val). The best
+trial is released in OUTPUT/release/ (adapter, eval.json, privacy.json); --epsilon/--delta bound the WHOLE procedure
+(every trial and the choice): the per-trial noise is calibrated to meet them. Publish OUTPUT/release/ only: the trial
+folders and tune.json are private. A stopped tuning continues with --resume (same K, finished trials skipped).
+
+  prismdp tune --task sst2 --data DIR --holdout-val 1000 --steps 300 --epsilon 8 \\
+      --lrs 1e-4,3e-4,1e-3,3e-3 --trials geometric:6 --output runs/tune-sst2
+
+How much it costs, and what the guarantee means: docs/tuning.md."""
+
+
+def _add_tune(sub) -> None:
+    import dataclasses
+
+    from .flags import add_config_flags
+    from .train.config import TrainConfig
+
+    p = sub.add_parser("tune", help="tune hyperparameters inside the privacy budget (random search, random count)",
+                       argument_default=argparse.SUPPRESS, description=_TUNE_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML or JSON file with the same keys as the train flags")
+    p.add_argument("--lrs", type=_floats, required=True, help="learning-rate candidates, e.g. 1e-4,3e-4,1e-3")
+    p.add_argument("--trials", required=True,
+                   help="distribution of the number of trials K: geometric:MEAN, negative-binomial:SHAPE:MEAN, "
+                        "logarithmic:MEAN (K >= 1) or poisson:MEAN (K = 0 possible: nothing released); e.g. "
+                        "geometric:6. A fixed K has no such guarantee")
+    p.add_argument("--epsilon", type=float, help="target epsilon of the whole tuning (default 3)")
+    p.add_argument("--max-grad-norms", dest="max_grad_norms", type=_floats, default=[],
+                   help="clipping-bound candidates (default: --max-grad-norm for every trial)")
+    p.add_argument("--ranks", type=lambda t: [int(v) for v in t.split(",")], default=[],
+                   help="LoRA-rank candidates (default: --rank for every trial)")
+    p.add_argument("--score-noise", dest="score_noise", type=float, default=10.0,
+                   help="noise multiplier of each trial's validation count of correct answers (sensitivity 1; "
+                        "default 10: +-1 point of accuracy on 1000 validation examples)")
+    p.add_argument("--tune-seed", dest="tune_seed", type=int, default=None,
+                   help="seed the draws of K, the hyperparameters and the score noise (reproducible, stated in "
+                        "privacy.json); default: OS randomness")
+    p.add_argument("--resume", action="store_true", help="continue the tuning in --output (same K and trials)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    skip = {"lr", "noise_multiplier", "epsilon"}
+    add_config_flags(p, TrainConfig, only=[f.name for f in dataclasses.fields(TrainConfig)
+                                           if f.name not in skip and "help" in f.metadata])
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
 def _add_diagnose(sub) -> None:
     from .diagnostics.cli import add_arguments
 
@@ -106,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_experiment(sub)
     _add_diagnose(sub)
     _add_audit(sub)
+    _add_tune(sub)
     return parser
 
 
@@ -237,6 +294,33 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
     return 1 if run.failures else 0
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from .experiment.honest import Space, run_tuning
+    from .privacy.tuning import TrialCount
+    from .train.config import TrainConfig, load_config_file
+
+    own = ("command", "config", "lrs", "trials", "max_grad_norms", "ranks", "score_noise", "tune_seed", "resume",
+           "quiet")
+    values = load_config_file(args.config) if getattr(args, "config", None) else {}
+    values.setdefault("output", "runs/prismdp-tune")
+    values.update({k: v for k, v in vars(args).items() if k not in own})
+    if args.max_grad_norms and "max_grad_norm" in values or args.ranks and "rank" in values:
+        raise ValueError("give a fixed value (--max-grad-norm / --rank) or candidates (--max-grad-norms / --ranks), "
+                         "not both")
+    cfg = TrainConfig.from_dict(values, source=args.config if getattr(args, "config", None) else "flags")
+    space = Space(tuple(args.lrs), tuple(args.max_grad_norms), tuple(args.ranks))
+    res = run_tuning(cfg, space, TrialCount.parse(args.trials), score_noise=args.score_noise,
+                     tune_seed=args.tune_seed, resume=getattr(args, "resume", False),
+                     progress=not getattr(args, "quiet", False))
+    p = res.plan
+    print(f"whole tuning: epsilon {p.epsilon:.3f} (delta {p.delta:g}) for {p.count} trials, K = {p.drawn} drawn; "
+          f"one trial: epsilon {p.trial_epsilon:.3f} at noise multiplier {p.noise_multiplier:.4f}")
+    if res.best is not None:
+        print(f"released trial {res.best}: noisy val accuracy {res.scores[res.best]:.4f}; publish "
+              f"{res.output / 'release'} only (the trial folders and tune.json are private)")
+    return 0
+
+
 def _cmd_diagnose(args: argparse.Namespace) -> int:
     from .diagnostics.cli import run
 
@@ -267,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"train": _cmd_train, "epsilon": _cmd_epsilon, "experiment": _cmd_experiment,
-                "diagnose": _cmd_diagnose, "audit": _cmd_audit}[args.command](args)
+                "diagnose": _cmd_diagnose, "audit": _cmd_audit, "tune": _cmd_tune}[args.command](args)
     except (ValueError, ImportError, FileNotFoundError, BudgetExhaustedError, ModelLoadError, RunExistsError,
             PeerLostError, ReplicaDivergenceError) as e:  # no traceback
         print(f"prismdp {args.command}: error: {e}", file=sys.stderr)
