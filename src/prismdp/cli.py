@@ -117,9 +117,10 @@ def _add_tune(sub) -> None:
     p.add_argument("--config", help="YAML or JSON file with the same keys as the train flags")
     p.add_argument("--lrs", type=_floats, required=True, help="learning-rate candidates, e.g. 1e-4,3e-4,1e-3")
     p.add_argument("--trials", required=True,
-                   help="distribution of the number of trials K: geometric:MEAN, negative-binomial:SHAPE:MEAN, "
-                        "logarithmic:MEAN (K >= 1) or poisson:MEAN (K = 0 possible: nothing released); e.g. "
-                        "geometric:6. A fixed K has no such guarantee")
+                   help="the number of trials K: drawn from geometric:MEAN, negative-binomial:SHAPE:MEAN, "
+                        "logarithmic:MEAN (K >= 1) or poisson:MEAN (K = 0 possible: nothing released), e.g. "
+                        "geometric:6; or fixed:K (random draws) / grid (every combination once), a fixed K accounted "
+                        "by composing the K trials (cheaper for a few short trials: docs/tuning.md)")
     p.add_argument("--epsilon", type=float, help="target epsilon of the whole tuning (default 3)")
     p.add_argument("--max-grad-norms", dest="max_grad_norms", type=_floats, default=[],
                    help="clipping-bound candidates (default: --max-grad-norm for every trial)")
@@ -132,6 +133,8 @@ def _add_tune(sub) -> None:
                    help="seed the draws of K, the hyperparameters and the score noise (reproducible, stated in "
                         "privacy.json); default: OS randomness")
     p.add_argument("--resume", action="store_true", help="continue the tuning in --output (same K and trials)")
+    p.add_argument("--dry-run", dest="dry_run", action="store_true",
+                   help="print the per-trial noise and the guarantee for these settings; draw and train nothing")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     skip = {"lr", "noise_multiplier", "epsilon"}
     add_config_flags(p, TrainConfig, only=[f.name for f in dataclasses.fields(TrainConfig)
@@ -295,12 +298,11 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from .experiment.honest import Space, run_tuning
-    from .privacy.tuning import TrialCount
+    from .experiment.honest import Space, calibrate, parse_trials, run_tuning
     from .train.config import TrainConfig, load_config_file
 
     own = ("command", "config", "lrs", "trials", "max_grad_norms", "ranks", "score_noise", "tune_seed", "resume",
-           "quiet")
+           "quiet", "dry_run")
     values = load_config_file(args.config) if getattr(args, "config", None) else {}
     values.setdefault("output", "runs/prismdp-tune")
     values.update({k: v for k, v in vars(args).items() if k not in own})
@@ -309,12 +311,19 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                          "not both")
     cfg = TrainConfig.from_dict(values, source=args.config if getattr(args, "config", None) else "flags")
     space = Space(tuple(args.lrs), tuple(args.max_grad_norms), tuple(args.ranks))
-    res = run_tuning(cfg, space, TrialCount.parse(args.trials), score_noise=args.score_noise,
-                     tune_seed=args.tune_seed, resume=getattr(args, "resume", False),
-                     progress=not getattr(args, "quiet", False))
+    count, grid = parse_trials(args.trials, space)
+    if getattr(args, "dry_run", False):
+        c = calibrate(cfg, count, score_noise=args.score_noise)
+        print(f"{'grid of ' if grid else ''}{count} trials: per-trial noise multiplier {c.noise_multiplier:.4f} "
+              f"(one trial: epsilon {c.trial_epsilon:.3f}, {c.accountant}); whole tuning: epsilon {c.epsilon:.3f} "
+              f"(delta {cfg.delta:g}); q = {c.sample_rate:.5g} ({c.dataset_size} training units, {c.val_size} val)")
+        return 0
+    res = run_tuning(cfg, space, count, score_noise=args.score_noise, tune_seed=args.tune_seed, grid=grid,
+                     resume=getattr(args, "resume", False), progress=not getattr(args, "quiet", False))
     p = res.plan
-    print(f"whole tuning: epsilon {p.epsilon:.3f} (delta {p.delta:g}) for {p.count} trials, K = {p.drawn} drawn; "
-          f"one trial: epsilon {p.trial_epsilon:.3f} at noise multiplier {p.noise_multiplier:.4f}")
+    print(f"whole tuning: epsilon {p.epsilon:.3f} (delta {p.delta:g}) for {p.count} trials, K = {p.drawn}; "
+          f"one trial: epsilon {p.trial_epsilon:.3f} ({p.trial_accountant}) at noise multiplier "
+          f"{p.noise_multiplier:.4f}")
     if res.best is not None:
         print(f"released trial {res.best}: noisy val accuracy {res.scores[res.best]:.4f}; publish "
               f"{res.output / 'release'} only (the trial folders and tune.json are private)")

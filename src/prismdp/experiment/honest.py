@@ -1,8 +1,9 @@
 """``prismdp tune``: hyperparameter tuning inside the privacy budget (Papernot and Steinke, ICLR 2022).
 
 Random search with a random number of trials: ``K`` is drawn from a declared distribution (:class:`TrialCount`:
-truncated negative binomial, geometric, logarithmic or Poisson), each trial draws its learning rate (and optionally
-clipping bound and LoRA rank) uniformly from the declared lists, trains a full private run (``prismdp train``) with the
+truncated negative binomial, geometric, logarithmic or Poisson; or a fixed ``K``, or ``grid``: every combination once,
+both accounted by composition), each trial draws its learning rate (and optionally clipping bound and LoRA rank)
+uniformly from the declared lists, trains a full private run (``prismdp train``) with the
 same per-trial noise multiplier, and is scored on the validation split carved out of the training data
 (``holdout_val``) by a noisy count of correct answers (Gaussian, noise multiplier ``score_noise``, sensitivity 1).
 The trial with the best noisy score is released in ``OUT/release/``.  The whole procedure's (epsilon, delta) comes
@@ -23,6 +24,7 @@ results would void the guarantee), skips finished trials and resumes an interrup
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import shutil
@@ -34,10 +36,11 @@ import numpy as np
 
 from ..atomic import write_json
 from ..privacy import check_delta
-from ..privacy.tuning import TrialCount, calibrate_tuning_sigma, trial_epsilon, tuning_epsilon
+from ..privacy.tuning import TrialCount, calibrate_tuning_sigma, trial_accountant, trial_epsilon, tuning_epsilon
 from ..train.config import ConfigError, TrainConfig
 
-__all__ = ["Space", "TunePlan", "TuneResult", "plan_tuning", "run_tuning", "PLAN_FILE"]
+__all__ = ["Space", "TunePlan", "TuneResult", "Calibration", "calibrate", "parse_trials", "plan_tuning", "run_tuning",
+           "PLAN_FILE"]
 
 PLAN_FILE = "tune.json"
 SCORE_FILE = "score.json"
@@ -62,6 +65,13 @@ class Space:
         if any(int(r) != r for r in self.ranks):
             raise ConfigError(f"--ranks: LoRA ranks are integers, got {list(self.ranks)}")
 
+    def combinations(self) -> list[dict]:
+        """Every point of the space, in order (``grid``)."""
+        axes = [("lr", self.lrs), ("max_grad_norm", self.max_grad_norms), ("rank", self.ranks)]
+        axes = [(k, v) for k, v in axes if v]
+        return [dict(zip([k for k, _ in axes], map(_plain, values)))
+                for values in itertools.product(*[v for _, v in axes])]
+
     def draw(self, rng: np.random.Generator) -> dict:
         out = {"lr": float(rng.choice(self.lrs))}
         if self.max_grad_norms:
@@ -69,6 +79,18 @@ class Space:
         if self.ranks:
             out["rank"] = int(rng.choice(self.ranks))
         return out
+
+
+def _plain(v):
+    return int(v) if isinstance(v, int) else float(v)
+
+
+def parse_trials(text: str, space: Space) -> tuple[TrialCount, bool]:
+    """``--trials``: a :class:`TrialCount` spec, or ``grid`` (every combination of ``space`` once: a fixed count).
+    Returns the count and whether it is the grid."""
+    if str(text).strip() == "grid":
+        return TrialCount.of("fixed", len(space.combinations())), True
+    return TrialCount.parse(text), False
 
 
 @dataclass
@@ -93,6 +115,9 @@ class TunePlan:
     delta: float
     target_epsilon: float
     tune_seed: Optional[int] = None
+    accountant: str = "rdp"  # of the whole tuning (rdp for a random count, the run's accountant for a fixed one)
+    trial_accountant: str = "rdp"  # of trial_epsilon
+    grid: bool = False  # every combination of the space once
 
     def save(self, path: Path) -> None:
         write_json(path, dataclasses.asdict(self))
@@ -139,11 +164,22 @@ def _dataset(cfg: TrainConfig) -> tuple[int, int]:
     return data.n_units, len(data.eval_sets["val"])
 
 
-def plan_tuning(cfg: TrainConfig, space: Space, count: TrialCount, *, score_noise: float = 10.0,
-                tune_seed: Optional[int] = None, dataset: Optional[tuple[int, int]] = None, log=print) -> TunePlan:
-    """Check everything, calibrate the per-trial noise, draw K and every trial's hyperparameters.
+@dataclass(frozen=True)
+class Calibration:
+    """The per-trial noise for a total target, and what it gives; nothing drawn (``prismdp tune --dry-run``)."""
 
-    ``tune_seed``: seed of the draws (reproducible; stated in the plan); None draws them from OS randomness.
+    dataset_size: int
+    val_size: int
+    sample_rate: float
+    noise_multiplier: float
+    epsilon: float  # the whole tuning's
+    trial_epsilon: float
+    accountant: str
+
+
+def calibrate(cfg: TrainConfig, count: TrialCount, *, score_noise: float = 10.0,
+              dataset: Optional[tuple[int, int]] = None) -> Calibration:
+    """Check the settings and calibrate the per-trial noise multiplier to ``cfg.epsilon`` for the whole tuning.
     ``dataset``: (training units, validation size) if known, else read from the task."""
     _check_base(cfg)
     if not (isinstance(score_noise, (int, float)) and score_noise > 0):
@@ -153,29 +189,48 @@ def plan_tuning(cfg: TrainConfig, space: Space, count: TrialCount, *, score_nois
     q = cfg.batch_size / n
     if not 0 < q <= 1:
         _fail(f"--batch-size {cfg.batch_size:g} exceeds the {n} training examples left after the holdout")
-    sigma = calibrate_tuning_sigma(cfg.epsilon, cfg.delta, q, cfg.steps, count, score_noise)
+    acc = cfg.accountant
+    sigma = calibrate_tuning_sigma(cfg.epsilon, cfg.delta, q, cfg.steps, count, score_noise, accountant=acc)
+    used = trial_accountant(count, acc)
+    return Calibration(n, n_val, q, sigma, tuning_epsilon(sigma, q, cfg.steps, cfg.delta, count, score_noise, acc),
+                       trial_epsilon(sigma, q, cfg.steps, cfg.delta, score_noise, used), used)
+
+
+def plan_tuning(cfg: TrainConfig, space: Space, count: TrialCount, *, score_noise: float = 10.0,
+                tune_seed: Optional[int] = None, dataset: Optional[tuple[int, int]] = None, grid: bool = False,
+                log=print) -> TunePlan:
+    """Check everything, calibrate the per-trial noise (:func:`calibrate`), draw K and every trial's hyperparameters.
+
+    ``tune_seed``: seed of the draws (reproducible; stated in the plan); None draws them from OS randomness.
+    ``grid``: every combination of the space once (``count`` must be ``fixed`` with that many trials)."""
+    if grid and (count.random or int(count.mean) != len(space.combinations())):
+        _fail(f"grid: the count must be fixed:{len(space.combinations())} (every combination once), got {count}")
+    c = calibrate(cfg, count, score_noise=score_noise, dataset=dataset)
     rng = np.random.default_rng(tune_seed)  # None: fresh OS entropy
     drawn = count.sample(rng)
-    trials = [{"index": i, **space.draw(rng), "seed": cfg.seed + i - 1} for i in range(1, drawn + 1)]
+    points = space.combinations() if grid else [space.draw(rng) for _ in range(drawn)]
+    trials = [{"index": i, **point, "seed": cfg.seed + i - 1} for i, point in enumerate(points, 1)]
     plan = TunePlan(
         base=cfg.to_dict(), space={k: list(v) for k, v in dataclasses.asdict(space).items()}, count=str(count),
         distribution=count.describe(), drawn=drawn,
         draw_source="OS randomness" if tune_seed is None else f"seeded generator (seed {tune_seed})",
-        trials=trials, noise_multiplier=sigma, score_noise=float(score_noise), sample_rate=q, steps=cfg.steps,
-        dataset_size=n, val_size=n_val, epsilon=tuning_epsilon(sigma, q, cfg.steps, cfg.delta, count, score_noise),
-        trial_epsilon=trial_epsilon(sigma, q, cfg.steps, cfg.delta, score_noise), delta=cfg.delta,
-        target_epsilon=cfg.epsilon, tune_seed=tune_seed)
-    log(f"[tune] {count} trials (mean {count.mean:g}): drew K = {drawn}; per-trial noise multiplier {sigma:.4f} "
-        f"(one trial: epsilon {plan.trial_epsilon:.3f}); whole tuning: epsilon {plan.epsilon:.3f} at delta "
-        f"{cfg.delta:g}")
+        trials=trials, noise_multiplier=c.noise_multiplier, score_noise=float(score_noise), sample_rate=c.sample_rate,
+        steps=cfg.steps, dataset_size=c.dataset_size, val_size=c.val_size, epsilon=c.epsilon,
+        trial_epsilon=c.trial_epsilon, delta=cfg.delta, target_epsilon=cfg.epsilon, tune_seed=tune_seed,
+        accountant=c.accountant, trial_accountant=c.accountant, grid=grid)
+    log(f"[tune] {count} trials (mean {count.mean:g}): drew K = {drawn}; per-trial noise multiplier "
+        f"{c.noise_multiplier:.4f} (one trial: epsilon {c.trial_epsilon:.3f}); whole tuning: epsilon {c.epsilon:.3f} "
+        f"at delta {cfg.delta:g}")
     return plan
 
 
-def _same_plan(saved: TunePlan, cfg: TrainConfig, space: Space, count: TrialCount, score_noise: float) -> list[str]:
+def _same_plan(saved: TunePlan, cfg: TrainConfig, space: Space, count: TrialCount, score_noise: float,
+               grid: bool) -> list[str]:
     now = {"base": {**cfg.to_dict(), "output": saved.base["output"]},
-           "space": {k: list(v) for k, v in dataclasses.asdict(space).items()}, "count": str(count),
-           "score_noise": float(score_noise)}
-    then = {"base": saved.base, "space": saved.space, "count": saved.count, "score_noise": saved.score_noise}
+           "space": {k: list(v) for k, v in dataclasses.asdict(space).items()},
+           "trials": "grid" if grid else str(count), "score_noise": float(score_noise)}
+    then = {"base": saved.base, "space": saved.space, "trials": "grid" if saved.grid else saved.count,
+            "score_noise": saved.score_noise}
     diffs = [k for k in now if json.dumps(now[k], sort_keys=True) != json.dumps(then[k], sort_keys=True)]
     if "base" in diffs:
         diffs[diffs.index("base")] = "settings " + ", ".join(
@@ -206,12 +261,15 @@ def _score(plan: TunePlan, folder: Path, index: int) -> float:
 
 def release_report(plan: TunePlan, best: Optional[int], scores: dict, trial_privacy: Optional[dict]) -> dict:
     """The released run's privacy.json: the whole procedure's guarantee first, then one trial's and the count."""
+    random = plan.distribution["family"] != "fixed"
+    how = (f"K random ({PAPER}; Theorem 2, or Theorem 6 for a Poisson K), by dp_accounting's RDP accountant "
+           "(RepeatAndSelectDpEvent)" if random else
+           f"K fixed, the K trials composed by the {plan.accountant} accountant (an upper bound on releasing the best)")
     report = {
         "private": True, "epsilon": plan.epsilon, "delta": plan.delta, "target_epsilon": plan.target_epsilon,
-        "guarantee": f"the whole tuning: the best of K trials, K random ({PAPER}; Theorem 2, or Theorem 6 for a "
-                     "Poisson K), by dp_accounting's RDP accountant (RepeatAndSelectDpEvent)",
-        "accountant": "rdp",
-        "per_trial": {"epsilon": plan.trial_epsilon, "delta": plan.delta, "accountant": "rdp",
+        "guarantee": f"the whole tuning: the best of K trials, {how}",
+        "accountant": plan.accountant,
+        "per_trial": {"epsilon": plan.trial_epsilon, "delta": plan.delta, "accountant": plan.trial_accountant,
                       "noise_multiplier": plan.noise_multiplier, "sample_rate": plan.sample_rate,
                       "steps": plan.steps, "score_noise_multiplier": plan.score_noise,
                       "epsilon_trial_accountant": None if trial_privacy is None else trial_privacy.get("epsilon")},
@@ -248,7 +306,7 @@ def _hyper(trial: dict) -> str:
 
 
 def run_tuning(cfg: TrainConfig, space: Space, count: TrialCount, *, score_noise: float = 10.0,
-               tune_seed: Optional[int] = None, resume: bool = False, progress: bool = True,
+               tune_seed: Optional[int] = None, resume: bool = False, progress: bool = True, grid: bool = False,
                log: Callable[[str], None] = print, train_fn: Optional[Callable] = None,
                stop_after_trials: Optional[int] = None) -> TuneResult:
     """Plan (or, with ``resume``, reload the plan of) a tuning in ``cfg.output``, run its trials, release the best.
@@ -263,7 +321,7 @@ def run_tuning(cfg: TrainConfig, space: Space, count: TrialCount, *, score_noise
             _fail(f"{path} exists: continue that tuning with --resume (the same drawn count), or choose another "
                   "--output")
         plan = TunePlan.load(path)
-        diffs = _same_plan(plan, cfg, space, count, score_noise)
+        diffs = _same_plan(plan, cfg, space, count, score_noise, grid)
         if diffs:
             _fail(f"--resume with different {'; '.join(diffs)} than {path}; resume with the original settings")
         log(f"[tune] resuming: K = {plan.drawn} trials drawn ({plan.draw_source}), noise multiplier "
@@ -271,7 +329,7 @@ def run_tuning(cfg: TrainConfig, space: Space, count: TrialCount, *, score_noise
     else:
         if resume:
             log(f"[tune] --resume: no {PLAN_FILE} in {out}; starting a new tuning")
-        plan = plan_tuning(cfg, space, count, score_noise=score_noise, tune_seed=tune_seed, log=log)
+        plan = plan_tuning(cfg, space, count, score_noise=score_noise, tune_seed=tune_seed, grid=grid, log=log)
         out.mkdir(parents=True, exist_ok=True)
         plan.save(path)  # before any trial: a stopped tuning resumes with this count
     scores = {}

@@ -14,27 +14,38 @@ steps (noise multiplier ``sigma``, rate ``q``) composed with one Gaussian releas
 multiplier ``score_sigma`` on a count of sensitivity 1), so one example's influence is bounded whether it sits in the
 training set or in the validation split.
 
+A fixed ``K`` (``fixed:K``, e.g. a grid that tries every candidate once) is accounted by composition instead: ``K``
+trials composed (``K * steps`` subsampled Gaussian steps and ``K`` score releases) by one of prismdp's accountants
+(PRV by default), an upper bound on releasing the best of them.  For a few short runs this is the cheaper of the two
+(PRV composition is tight where the RDP route of the theorems is not; docs/tuning.md has numbers).
+
 - :class:`TrialCount` -- the distribution of ``K``: parse ``poisson:MEAN``, ``geometric:MEAN``,
-  ``negative-binomial:SHAPE:MEAN``, ``logarithmic:MEAN``; its parameters and a draw.
-- :func:`tuning_epsilon` / :func:`trial_epsilon` -- epsilon of the whole procedure / of one trial (RDP).
+  ``negative-binomial:SHAPE:MEAN``, ``logarithmic:MEAN`` or ``fixed:K``; its parameters and a draw.
+- :func:`tuning_epsilon` / :func:`trial_epsilon` -- epsilon of the whole procedure / of one trial.
 - :func:`calibrate_tuning_sigma` -- the smallest per-trial noise multiplier whose whole procedure meets a target.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
-__all__ = ["FAMILIES", "TrialCount", "tnb_mean", "trial_epsilon", "tuning_epsilon", "calibrate_tuning_sigma"]
+from .accounting import ACCOUNTANTS, MAX_EPSILON
 
-FAMILIES = ("poisson", "geometric", "negative-binomial", "logarithmic")
-_FORMS = "poisson:MEAN, geometric:MEAN, negative-binomial:SHAPE:MEAN or logarithmic:MEAN (e.g. geometric:8)"
+__all__ = ["FAMILIES", "TrialCount", "tnb_mean", "trial_accountant", "trial_epsilon", "tuning_epsilon",
+           "calibrate_tuning_sigma"]
+
+FAMILIES = ("poisson", "geometric", "negative-binomial", "logarithmic", "fixed")
+_FORMS = ("poisson:MEAN, geometric:MEAN, negative-binomial:SHAPE:MEAN, logarithmic:MEAN (e.g. geometric:8) or "
+          "fixed:K (K trials, accounted by composition)")
+_SHAPES = {"poisson": math.inf, "geometric": 1.0, "logarithmic": 0.0, "fixed": None}
 
 
 def tnb_mean(gamma: float, eta: float) -> float:
@@ -60,12 +71,18 @@ def _tnb_gamma(mean: float, eta: float) -> float:
 @dataclass(frozen=True)
 class TrialCount:
     """The distribution of the number of trials ``K``.  ``family``: one of :data:`FAMILIES`; ``mean``: E[K];
-    ``shape``: eta of the negative binomial (geometric 1, logarithmic 0, Poisson infinity: dp_accounting's ``shape``).
-    The truncated families never draw 0; the Poisson draws 0 with probability exp(-mean) (then nothing is released)."""
+    ``shape``: eta of the negative binomial (geometric 1, logarithmic 0, Poisson infinity: dp_accounting's ``shape``;
+    None for ``fixed``).  The truncated families never draw 0; the Poisson draws 0 with probability exp(-mean) (then
+    nothing is released); ``fixed`` always draws ``mean``."""
 
     family: str
     mean: float
-    shape: float
+    shape: Optional[float]
+
+    @property
+    def random(self) -> bool:
+        """K is random (the paper's theorems apply); False for ``fixed`` (composition)."""
+        return self.family != "fixed"
 
     @classmethod
     def parse(cls, text: str) -> "TrialCount":
@@ -78,17 +95,19 @@ class TrialCount:
             values = [float(v) for v in nums]
         except ValueError:
             raise ValueError(f"--trials {text!r}: not a number; expected {_FORMS}") from None
-        mean = values[-1]
-        shape = {"poisson": math.inf, "geometric": 1.0, "logarithmic": 0.0}.get(family, values[0])
-        return cls.of(family, mean, shape)
+        return cls.of(family, values[-1], values[0] if family == "negative-binomial" else None)
 
     @classmethod
     def of(cls, family: str, mean: float, shape: float | None = None) -> "TrialCount":
         """Validated: a Poisson mean > 0; a truncated family's mean > 1 (mean 1 is a single run) and shape > 0 for
         the negative binomial (shape 0 is the logarithmic family, 1 the geometric)."""
-        shape = {"poisson": math.inf, "geometric": 1.0, "logarithmic": 0.0}.get(family, shape)
         if family not in FAMILIES:
             raise ValueError(f"trial count family must be one of {', '.join(FAMILIES)}, got {family!r}")
+        shape = _SHAPES.get(family, shape)
+        if family == "fixed":
+            if not (isinstance(mean, (int, float)) and mean >= 1 and int(mean) == mean):
+                raise ValueError(f"fixed:K: K must be a whole number of trials >= 1, got {mean!r}")
+            return cls(family, float(mean), None)
         if not (isinstance(mean, (int, float)) and math.isfinite(mean)) or mean <= (0 if family == "poisson" else 1):
             low = "> 0" if family == "poisson" else "> 1 (a mean of 1 is a single run: use prismdp train)"
             raise ValueError(f"the mean number of trials must be {low}, got {mean!r}")
@@ -100,10 +119,12 @@ class TrialCount:
     @cached_property
     def gamma(self) -> float | None:
         """The truncated families' parameter gamma (success probability); None for the Poisson."""
-        return None if self.family == "poisson" else _tnb_gamma(self.mean, self.shape)
+        return None if self.family in ("poisson", "fixed") else _tnb_gamma(self.mean, self.shape)
 
     def sample(self, rng: np.random.Generator) -> int:
         """One draw of K from ``rng`` (a truncated family: a negative binomial draw conditioned on K >= 1)."""
+        if self.family == "fixed":
+            return int(self.mean)
         if self.family == "poisson":
             return int(rng.poisson(self.mean))
         if self.family == "logarithmic":
@@ -116,7 +137,9 @@ class TrialCount:
     def describe(self) -> dict[str, Any]:
         """The distribution for a report: family, parameters, mean (and P[K = 0] for the Poisson)."""
         out: dict[str, Any] = {"family": self.family, "mean": self.mean}
-        if self.family == "poisson":
+        if self.family == "fixed":
+            out["accounted_by"] = "composition of the K trials"
+        elif self.family == "poisson":
             out["p_zero"] = math.exp(-self.mean)
         else:
             out.update(shape_eta=self.shape, gamma=self.gamma)
@@ -124,6 +147,8 @@ class TrialCount:
 
     def __str__(self) -> str:
         shape = f"{self.shape:g}:" if self.family == "negative-binomial" else ""
+        if self.family == "fixed":
+            return f"fixed:{int(self.mean)}"
         return f"{self.family}:{shape}{self.mean:g}"
 
 
@@ -142,11 +167,34 @@ def _check(sigma: float, q: float, steps: int, delta: float, score_sigma: float 
         raise ValueError(f"score_sigma must be > 0 (or None: the score is not released), got {score_sigma!r}")
 
 
+def _composed(sigma: float, q: float, steps: int, delta: float, score_sigma: float | None, k: int,
+              accountant: str) -> float:
+    """``k`` trials composed, by one of prismdp's accountants (:data:`.accounting.ACCOUNTANTS`, their history of
+    ``(sigma, q, steps)`` entries: the score's release is a Gaussian with q = 1)."""
+    acc = ACCOUNTANTS[accountant]()
+    acc.history = [(sigma, q, k * steps)] + ([(score_sigma, 1.0, k)] if score_sigma is not None else [])
+    with warnings.catch_warnings():  # as prismdp.privacy.accounting: Opacus' warnings that say nothing of the result
+        warnings.filterwarnings("ignore", message="Optimal order is the", category=UserWarning)
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"opacus\.accountants\.analysis\.prv")
+        eps = float(acc.get_epsilon(delta))
+    return eps if math.isfinite(eps) and eps <= MAX_EPSILON else math.inf
+
+
+def trial_accountant(count: TrialCount, accountant: str = "prv") -> str:
+    """The accountant of the whole tuning: ``rdp`` (dp_accounting) for a random count (the theorems are in RDP), the
+    given one (prismdp's PRV by default) for a fixed count's composition."""
+    return "rdp" if count.random else accountant
+
+
 @lru_cache(maxsize=1024)
-def trial_epsilon(sigma: float, q: float, steps: int, delta: float, score_sigma: float | None = None) -> float:
-    """Epsilon of one trial at ``delta`` by the same RDP accountant (dp_accounting, its default orders) as
-    :func:`tuning_epsilon`: ``steps`` Poisson-subsampled Gaussian steps plus the score's Gaussian release."""
+def trial_epsilon(sigma: float, q: float, steps: int, delta: float, score_sigma: float | None = None,
+                  accountant: str = "rdp") -> float:
+    """Epsilon of one trial at ``delta``: ``steps`` Poisson-subsampled Gaussian steps plus the score's Gaussian
+    release, by dp_accounting's RDP accountant (its default orders; ``rdp``, what :func:`tuning_epsilon` uses for a
+    random count) or one of prismdp's accountants (``prv``, ``pld``; Opacus' ``rdp`` is not offered here)."""
     _check(sigma, q, steps, delta, score_sigma)
+    if accountant != "rdp":
+        return _composed(sigma, q, steps, delta, score_sigma, 1, accountant)
     acc = rdp.RdpAccountant()
     acc.compose(_trial_event(sigma, q, steps, score_sigma))
     return float(acc.get_epsilon(delta))
@@ -154,18 +202,22 @@ def trial_epsilon(sigma: float, q: float, steps: int, delta: float, score_sigma:
 
 @lru_cache(maxsize=1024)
 def tuning_epsilon(sigma: float, q: float, steps: int, delta: float, count: TrialCount,
-                   score_sigma: float | None = None) -> float:
-    """Epsilon at ``delta`` of releasing the best of ``K ~ count`` trials (each as in :func:`trial_epsilon`):
-    dp_accounting's ``RepeatAndSelectDpEvent`` (the paper's Theorem 2, or Theorem 6 for the Poisson) then its RDP to
-    (epsilon, delta) conversion.  A ``delta`` the paper's bound cannot reach gives ``inf``."""
+                   score_sigma: float | None = None, accountant: str = "prv") -> float:
+    """Epsilon at ``delta`` of releasing the best of ``K ~ count`` trials (each as in :func:`trial_epsilon`).
+
+    A random count: dp_accounting's ``RepeatAndSelectDpEvent`` (the paper's Theorem 2, or Theorem 6 for the Poisson)
+    then its RDP to (epsilon, delta) conversion (``accountant`` is not used).  A fixed count: the ``K`` trials
+    composed by ``accountant`` (prismdp's ``prv``, ``rdp`` or ``pld``)."""
     _check(sigma, q, steps, delta, score_sigma)
+    if not count.random:
+        return _composed(sigma, q, steps, delta, score_sigma, int(count.mean), accountant)
     acc = rdp.RdpAccountant()
     acc.compose(dp_event.RepeatAndSelectDpEvent(_trial_event(sigma, q, steps, score_sigma), count.mean, count.shape))
     return float(acc.get_epsilon(delta))
 
 
 def calibrate_tuning_sigma(target_epsilon: float, delta: float, q: float, steps: int, count: TrialCount,
-                           score_sigma: float | None = None, rel_tol: float = 0.005) -> float:
+                           score_sigma: float | None = None, rel_tol: float = 0.005, accountant: str = "prv") -> float:
     """Smallest per-trial noise multiplier whose whole tuning meets ``target_epsilon`` (:func:`tuning_epsilon` at or
     below it, within ``rel_tol`` of it).  Raises ``ValueError`` if the score's release alone, or the paper's bound's
     ``log(mean)`` term, already exceeds the target at any noise (``sigma`` up to 1e4)."""
@@ -173,7 +225,7 @@ def calibrate_tuning_sigma(target_epsilon: float, delta: float, q: float, steps:
         raise ValueError(f"target epsilon must be > 0, got {target_epsilon!r}")
 
     def eps(s: float) -> float:
-        return tuning_epsilon(s, q, steps, delta, count, score_sigma)
+        return tuning_epsilon(s, q, steps, delta, count, score_sigma, accountant)
 
     hi = 1.0
     while eps(hi) > target_epsilon:
@@ -181,8 +233,8 @@ def calibrate_tuning_sigma(target_epsilon: float, delta: float, q: float, steps:
             floor = "the score's release and " if score_sigma is not None else ""
             raise ValueError(
                 f"total epsilon {target_epsilon:g} is out of reach for {count} trials at delta {delta:g}: even noise "
-                f"multiplier {hi:g} per trial gives {eps(hi):.3g} ({floor}the log(mean trials) term of the bound "
-                "alone exceed it). Raise the epsilon, lower the mean number of trials"
+                f"multiplier {hi:g} per trial gives {eps(hi):.3g} ({floor}the number of trials alone exceed it). "
+                "Raise the epsilon, lower the (mean) number of trials"
                 + (", or raise --score-noise" if score_sigma is not None else ""))
         hi *= 2
     lo = hi / 2
