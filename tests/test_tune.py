@@ -129,7 +129,7 @@ def test_bad_trial_counts_are_refused(text, err):
 
 def test_bad_settings_are_refused_before_any_training(tmp_path):
     space, count = Space((1e-3,)), TrialCount.parse("geometric:3")
-    for kw, err in (({"lr": 1e-3}, "--lrs"), ({"dp": False}, "--no-dp"), ({"noise_multiplier": 1.0}, "calibrates"),
+    for kw, err in (({"lr": 1e-3}, "--lrs"), ({"dp": False}, "--no-dp"), ({"sigma": 1.0}, "calibrates"),
                     ({"holdout_val": None}, "--holdout-val")):
         cfg = _tiny(tmp_path, **{k: v for k, v in kw.items() if k != "holdout_val"})
         if "holdout_val" in kw:
@@ -195,6 +195,7 @@ def test_tune_help_names_the_guarantee(capsys):
         main(["tune", "--help"])
     out = capsys.readouterr().out
     assert "WHOLE procedure" in out and "--trials" in out and "--resume" in out and "docs/tuning.md" in out
+    assert "geometric:MEAN" in out and "grid" in out
 
 
 def test_a_fixed_count_is_accounted_by_composition_not_as_if_random():
@@ -241,3 +242,52 @@ def test_dry_run_prints_the_noise_and_draws_nothing(tiny_bert_dir, tmp_path, cap
     printed = capsys.readouterr().out
     assert "grid of fixed:2 trials: per-trial noise multiplier" in printed and "drew" not in printed
     assert not out.exists()
+
+
+def _fake_train(calls):
+    def train(cfg, **kw):
+        calls.append(cfg)
+        folder = tmp = __import__("pathlib").Path(cfg.output)
+        folder.mkdir(parents=True, exist_ok=True)
+        acc = 0.5 + 0.3 * (cfg.lr == 1e-2) + (0.05 if cfg.method == "prism" else 0.0)
+        (tmp / "summary.json").write_text(json.dumps({
+            "steps": cfg.steps, "privacy": {"private": True, "epsilon": 1.0, "delta": cfg.delta},
+            "eval": {"val": {"accuracy": acc, "n": 10}, "validation": {"accuracy": acc, "n": 12}}}))
+    return train
+
+
+def test_an_experiment_grid_tunes_honestly_with_tune_by_honest(tmp_path):
+    """`tune: {by: honest, trials: grid}`: each (task, method, setting, seed) cell is a `prismdp tune` over the lr
+    axis; the tables report the released trials with the whole tuning's epsilon; a second run trains nothing; bad
+    honest settings are refused when the file is loaded."""
+    from test_glue8 import make_fake_glue
+
+    from prismdp.experiment import load_experiment, run_experiment
+
+    root = make_fake_glue(tmp_path / "glue", n_train=60, n_dev=12)
+    grid = {"name": "H", "output": str(tmp_path / "out"), "tasks": {"sst2": {}},
+            "base": {"data": str(root), "holdout_val": 10, "steps": 2, "batch_size": 2, "delta": 1e-3,
+                     "accountant": "rdp"},
+            "methods": ["prism", "dp-adamw"], "privacy": [3], "seeds": [1, 2], "lrs": [1e-3, 1e-2],
+            "tune": {"by": "honest", "trials": "geometric:2", "score_noise": 20.0}}
+    calls = []
+    run = run_experiment(load_experiment(grid), progress=False, log=lambda *a: None, train_fn=_fake_train(calls))
+    assert not run.failures and len(run.ran) == 4
+    drawn = {c: json.loads((tmp_path / "out" / c / "tune.json").read_text())["drawn"] for c in run.ran}
+    assert len(calls) == sum(drawn.values())  # each cell trained the count it drew
+    assert drawn["sst2__prism__eps3__seed1"] == drawn["sst2__dp-adamw__eps3__seed1"]  # paired: the seed's draw
+    priv = json.loads((tmp_path / "out" / "sst2__prism__eps3__seed1" / "release" / "privacy.json").read_text())
+    assert 0.99 * 3 <= priv["epsilon"] <= 3 and priv["trials"]["draw"] == "seeded generator (seed 1)"
+    summary = json.loads((tmp_path / "out" / "sst2__prism__eps3__seed1" / "summary.json").read_text())
+    assert summary["privacy"]["epsilon"] == priv["epsilon"] and "val" not in summary["eval"]
+    assert "sst2" in (tmp_path / "out" / "results.md").read_text()
+    again = run_experiment(load_experiment(grid), progress=False, log=lambda *a: None, train_fn=_fake_train(calls))
+    assert len(again.skipped) == 4 and len(calls) == sum(drawn.values())
+
+    for tune, err in (({"by": "honest"}, "needs trials"), ({"by": "honest", "trials": "grid", "widen": 1}, "widen"),
+                      ({"by": "honest", "trials": "fixed:x"}, "tune.trials"), ({"by": "val", "trials": "grid"},
+                                                                                  "apply to by: honest")):
+        with pytest.raises(ConfigError, match=err):
+            load_experiment({**grid, "tune": tune})
+    with pytest.raises(ConfigError, match="non-private"):
+        load_experiment({**grid, "privacy": [3, "non-dp"]})

@@ -91,16 +91,18 @@ def _add_experiment(sub) -> None:
 
 
 _TUNE_HELP = """\
-Random search inside the privacy budget (Papernot and Steinke, ICLR 2022). The number of trials K is drawn at random
-from --trials (once, before any trial: saved in OUTPUT/tune.json); each trial draws its learning rate from --lrs (and
-its clipping bound / rank from --max-grad-norms / --ranks, if given), trains a full private run like `prismdp train`,
-and is scored by a noisy accuracy on the validation split carved from the training data (--holdout-val). The best
-trial is released in OUTPUT/release/ (adapter, eval.json, privacy.json); --epsilon/--delta bound the WHOLE procedure
-(every trial and the choice): the per-trial noise is calibrated to meet them. Publish OUTPUT/release/ only: the trial
-folders and tune.json are private. A stopped tuning continues with --resume (same K, finished trials skipped).
+Hyperparameter search inside the privacy budget. --epsilon/--delta bound the WHOLE procedure (every trial, its score
+and the choice); the per-trial noise is calibrated to meet them. The number of trials K comes from --trials: drawn at
+random (Papernot and Steinke, ICLR 2022: geometric:MEAN, ...), or fixed (grid: every candidate once; composed), once,
+before any trial, and saved in OUTPUT/tune.json. Each trial takes a learning rate from --lrs (and a clipping bound /
+rank from --max-grad-norms / --ranks, if given; drawn at random, or each in turn for grid), trains a full private
+run like `prismdp train`, and is scored by a noisy accuracy on the validation split carved from the training data
+(--holdout-val). The best trial is released in OUTPUT/release/ (adapter, eval.json, privacy.json with the whole
+guarantee). Publish OUTPUT/release/ only: the trial folders and tune.json are private. A stopped tuning continues
+with --resume (same K, finished trials skipped); --dry-run shows the per-trial noise a setting costs.
 
-  prismdp tune --task sst2 --data DIR --holdout-val 1000 --steps 300 --epsilon 8 \\
-      --lrs 1e-4,3e-4,1e-3,3e-3 --trials geometric:6 --output runs/tune-sst2
+  prismdp tune --task sst2 --data DIR --holdout-val 1000 --steps 80 --batch-size 128 --epsilon 3 \\
+      --lrs 3e-4,1e-3,3e-3,1e-2 --trials grid --output runs/tune-sst2
 
 How much it costs, and what the guarantee means: docs/tuning.md."""
 
@@ -136,7 +138,7 @@ def _add_tune(sub) -> None:
     p.add_argument("--dry-run", dest="dry_run", action="store_true",
                    help="print the per-trial noise and the guarantee for these settings; draw and train nothing")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    skip = {"lr", "noise_multiplier", "epsilon"}
+    skip = {"lr", "sigma", "epsilon"}
     add_config_flags(p, TrainConfig, only=[f.name for f in dataclasses.fields(TrainConfig)
                                            if f.name not in skip and "help" in f.metadata])
 

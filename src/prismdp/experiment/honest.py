@@ -16,6 +16,8 @@ Files::
     OUT/trial-001/ ...        each trial's run folder, plus score.json (its noisy score; private: keep them)
     OUT/release/              what may be published: adapter/, privacy.json (the whole procedure's guarantee),
                               eval.json (the released trial's eval sets but val, and its noisy val score)
+    OUT/summary.json          the same privacy report and eval sets, so that the folder reads as one finished run
+                              (prismdp experiment with tune: {by: honest})
 
 ``resume=True`` continues from ``OUT/tune.json`` with the same drawn count and hyperparameters (a new draw after seeing
 results would void the guarantee), skips finished trials and resumes an interrupted one from its checkpoint.
@@ -24,6 +26,7 @@ results would void the guarantee), skips finished trials and resumes an interrup
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -143,8 +146,8 @@ def _check_base(cfg: TrainConfig) -> None:
     if not cfg.dp:
         _fail("--no-dp: tuning inside a privacy budget needs a private run; tune a non-private run with prismdp "
               "experiment")
-    if cfg.noise_multiplier is not None:
-        _fail("--noise-multiplier: prismdp tune calibrates the per-trial noise to --epsilon (the whole tuning's "
+    if cfg.sigma is not None:
+        _fail("--sigma: prismdp tune calibrates the per-trial noise to --epsilon (the whole tuning's "
               "target); leave it out")
     if cfg.lr is not None:
         _fail("--lr: the learning rate is tuned; give the candidates with --lrs")
@@ -153,8 +156,19 @@ def _check_base(cfg: TrainConfig) -> None:
               "1000; GLUE tasks)")
 
 
+_DATA_FREE = ("output", "method", "method_kwargs", "lr", "head_lr", "sigma", "epsilon", "max_grad_norm",
+              "rank", "alpha", "dropout")  # settings that do not change the task data
+
+
 def _dataset(cfg: TrainConfig) -> tuple[int, int]:
-    """(training units, validation examples) of ``cfg``'s task, read with the tokenizer alone (no model weights)."""
+    """(training units, validation examples) of ``cfg``'s task, read with the tokenizer alone (no model weights);
+    memoised per data-relevant settings (an experiment grid tunes many cells on the same data)."""
+    return _dataset_of(json.dumps({k: v for k, v in cfg.to_dict().items() if k not in _DATA_FREE}, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=16)
+def _dataset_of(key: str) -> tuple[int, int]:
+    cfg = TrainConfig.from_dict(json.loads(key))
     from ..models import load_tokenizer
     from ..train.tasks import build_task_data, task_head
 
@@ -241,7 +255,7 @@ def _same_plan(saved: TunePlan, cfg: TrainConfig, space: Space, count: TrialCoun
 def trial_config(plan: TunePlan, trial: dict, out: Path) -> TrainConfig:
     """The trial's run: the base settings with its hyperparameters, seed and the calibrated noise multiplier."""
     values = {**plan.base, **{k: v for k, v in trial.items() if k != "index"},
-              "noise_multiplier": plan.noise_multiplier, "output": str(out / f"trial-{trial['index']:03d}")}
+              "sigma": plan.noise_multiplier, "output": str(out / f"trial-{trial['index']:03d}")}
     return TrainConfig.from_dict(values)
 
 
@@ -290,15 +304,22 @@ def _release(plan: TunePlan, out: Path, best: Optional[int], scores: dict) -> No
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
-    trial_privacy = None
+    trial_privacy, evals = None, {}
     if best is not None:
         folder = out / f"trial-{best:03d}"
-        shutil.copytree(folder / "adapter", dest / "adapter")
-        trial_privacy = json.loads((folder / "privacy.json").read_text())
-        evals = json.loads((folder / "summary.json").read_text()).get("eval", {})
-        evals = {k: v for k, v in evals.items() if k != "val"}  # the exact val score is not covered: only the noisy one
-        write_json(dest / "eval.json", {**evals, "val_noisy": {"accuracy": scores[best], "n": plan.val_size}})
-    write_json(dest / "privacy.json", release_report(plan, best, scores, trial_privacy))
+        if (folder / "adapter").is_dir():
+            shutil.copytree(folder / "adapter", dest / "adapter")
+        summary = json.loads((folder / "summary.json").read_text())
+        trial_privacy = summary.get("privacy")
+        evals = {k: v for k, v in summary.get("eval", {}).items() if k != "val"}  # the exact val score: not covered
+        evals["val_noisy"] = {"accuracy": scores[best], "n": plan.val_size}
+        write_json(dest / "eval.json", evals)
+    report = release_report(plan, best, scores, trial_privacy)
+    write_json(dest / "privacy.json", report)
+    # the tuning folder reads as one finished run (prismdp experiment's tables, tune: {by: honest}): the released
+    # trial's public eval sets and the whole tuning's guarantee
+    write_json(out / "summary.json", {"steps": plan.steps, "privacy": report, "eval": evals,
+                                      "tuning": {"released": best, "trials": plan.drawn, "release": str(dest)}})
 
 
 def _hyper(trial: dict) -> str:

@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from ..atomic import write_json
 from .archive import Archive
-from .grid import Cell, Experiment, Setting
+from .grid import Cell, Experiment, Setting, cell_id
 from .tables import Table, write_results
 from .tuning import Plan, is_done
 
@@ -159,6 +159,10 @@ def run_experiment(exp: Experiment, *, output: Optional[str] = None, tasks: Opti
     if train_fn is None:
         from ..train.loop import train as train_fn
     archive = Archive([Path(p) for p in results_from])
+    if exp.tune is not None and exp.tune.honest:
+        return _run_honest(exp, output=output, tasks=tasks, methods=methods, settings=settings, seeds=seeds,
+                           dry_run=dry_run, tables_only=tables_only, progress=progress, log=log, train_fn=train_fn,
+                           archive=archive)
     if exp.tune is not None:
         return _run_tuned(exp, output=output, tasks=tasks, methods=methods, settings=settings, seeds=seeds,
                           dry_run=dry_run, tables_only=tables_only, progress=progress, log=log, train_fn=train_fn,
@@ -246,4 +250,62 @@ def _run_tuned(exp: Experiment, *, output, tasks, methods, settings, seeds, dry_
         _write_tuned_tables(exp, out_dir, run.failures, archive)
     run.table = _write_tuned_tables(exp, out_dir, run.failures, archive)
     log(f"[experiment] {len(run.ran)} trained, {len(run.failures)} failed; results in {out_dir / 'results.md'}")
+    return run
+
+
+def honest_cells(exp: Experiment, out_dir: Path, *, tasks=None, methods=None, settings=None, seeds=None) -> List[Cell]:
+    """``tune: {by: honest}``: one cell per (task, method, setting, seed), without the lr axis (its rates are the
+    candidates of the cell's own ``prismdp tune``), in the grid's order."""
+    exp.cells(str(out_dir), tasks=tasks, methods=methods, settings=settings, seeds=seeds)  # validates the selection
+    return [exp.cell(t, m, s, seed, out_dir) for t in exp.tasks for s in exp.settings for m in exp.methods
+            for seed in exp.seeds
+            if (not tasks or t in tasks) and (not methods or m in methods) and (not settings or s in settings)
+            and (not seeds or seed in seeds) and not exp.excluded(cell_id(t, m, s, seed, None))]
+
+
+def _run_honest(exp: Experiment, *, output, tasks, methods, settings, seeds, dry_run, tables_only, progress, log,
+                train_fn, archive) -> ExperimentRun:
+    """Every cell a ``prismdp tune`` over the lr axis (:mod:`prismdp.experiment.honest`) with the cell's seed as its
+    tune seed (the methods of one seed face the same draws); a cell is done when its tuning has released."""
+    from .honest import Space, parse_trials, run_tuning
+
+    out_dir = Path(output if output is not None else exp.output)
+    every = honest_cells(exp, out_dir)
+    cells = honest_cells(exp, out_dir, tasks=tasks, methods=methods, settings=settings, seeds=seeds)
+    run = ExperimentRun(out_dir, cells)
+    if dry_run:
+        for c in cells:
+            log(f"[experiment] {'done' if is_done(c, archive) else 'todo'} {c.id}")
+        return run
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / "experiment.json", {
+        "name": exp.name, "source": str(exp.path) if exp.path else None, "overrides": exp.overrides,
+        "lrs": exp.lrs, "method_lrs": exp.method_lrs, "tune": dataclasses.asdict(exp.tune),
+        "cells": {c.id: {**c.config.to_dict(), "task_id": c.task_id} for c in every}})
+    for i, cell in enumerate([] if tables_only else cells, 1):
+        tag = f"[experiment] ({i}/{len(cells)}) {cell.id}"
+        folder = Path(cell.config.output)
+        if is_done(cell, archive):
+            run.skipped.append(cell.id)
+            log(f"{tag}: done, skipped")
+            continue
+        if not claim(folder):
+            log(f"{tag}: being tuned by another process, passed over")
+            continue
+        try:
+            space = Space(tuple(exp.lrs_for(cell.method)))
+            count, grid = parse_trials(str(exp.tune.trials), space)
+            log(f"{tag}: tuning ({exp.tune.trials} over {len(space.lrs)} rates) -> {folder}")
+            run_tuning(cell.config, space, count, score_noise=exp.tune.score_noise, tune_seed=cell.seed,
+                       resume=True, grid=grid, progress=progress, log=log, train_fn=train_fn)
+            run.ran.append(cell.id)
+        except Exception as e:  # noqa: BLE001 - one failing cell must not stop the grid
+            run.failures[cell.id] = f"{type(e).__name__}: {e}"
+            log(f"{tag}: FAILED {type(e).__name__}: {e}")
+        finally:
+            release(folder)
+        write_results(exp, every, out_dir, run.failures, archive=archive)
+    _, run.table = write_results(exp, every, out_dir, run.failures, archive=archive)
+    log(f"[experiment] {len(run.ran)} tuned, {len(run.skipped)} skipped, {len(run.failures)} failed; results in "
+        f"{out_dir / 'results.md'}")
     return run

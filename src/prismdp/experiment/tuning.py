@@ -5,7 +5,9 @@ With an lr axis and ``tune`` in the experiment file::
     lrs: [3.0e-4, 1.0e-3, 3.0e-3, 1.0e-2]
     tune: {by: val, widen: 2}          # seed: the tuning seed (default: the first of `seeds`)
 
-every (task, method, privacy setting) group first trains at each rate with the tuning seed.  The rate whose run scores
+(``tune: {by: honest, trials: grid}`` instead makes every cell its own ``prismdp tune``, paid for inside its epsilon:
+:mod:`prismdp.experiment.honest`, docs/tuning.md.)  With ``by: val``, every (task, method, privacy setting) group
+first trains at each rate with the tuning seed.  The rate whose run scores
 best on the eval set ``by`` (a split carved from the training data, ``holdout_val``; never the reported dev set:
 a ``by`` the tables report, or ``val`` in a cell without ``holdout_val``, is refused when the file is loaded) is
 chosen; if it is the smallest or largest rate tried, one more rate on that side is tried, up to ``widen`` times per
@@ -35,22 +37,48 @@ __all__ = ["Tune", "Plan", "GroupState", "next_lr", "eval_score", "is_done"]
 
 @dataclass(frozen=True)
 class Tune:
-    by: str = "val"  # the eval set that picks the rate (not "on": YAML 1.1 reads that key as true)
+    by: str = "val"  # the eval set that picks the rate (not "on": YAML 1.1 reads that key as true); or "honest"
     seed: Optional[int] = None
     widen: int = 2
+    trials: Optional[str] = None  # by: honest: prismdp tune's --trials (grid, fixed:K, geometric:MEAN, ...)
+    score_noise: float = 10.0  # by: honest: prismdp tune's --score-noise
+
+    @property
+    def honest(self) -> bool:
+        """``by: honest``: every (task, method, setting, seed) cell is a ``prismdp tune`` over the lr axis, paid for
+        inside the cell's epsilon (:mod:`prismdp.experiment.honest`), instead of rates chosen outside the budget."""
+        return self.by == "honest"
 
     @classmethod
     def parse(cls, raw: Any, lrs: Optional[Sequence[float]]) -> "Tune":
         if not isinstance(raw, dict):
             raise ConfigError(f"tune: expected a mapping such as {{by: val, widen: 2}}, got {raw!r}")
-        unknown = sorted(set(map(str, raw)) - {"by", "seed", "widen"})
+        unknown = sorted(set(map(str, raw)) - {"by", "seed", "widen", "trials", "score_noise"})
         if unknown:
-            raise ConfigError(f"tune: unknown key(s) {unknown}; valid: by, seed, widen")
+            raise ConfigError(f"tune: unknown key(s) {unknown}; valid: by, seed, widen, trials, score_noise")
         if not lrs or len(lrs) < 2:
             raise ConfigError("tune: needs an lr axis with at least two rates (lrs: [...])")
-        t = cls(str(raw.get("by", "val")), raw.get("seed"), int(raw.get("widen", 2)))
+        t = cls(str(raw.get("by", "val")), raw.get("seed"), int(raw.get("widen", 2)), raw.get("trials"),
+                float(raw.get("score_noise", 10.0)))
         if t.widen < 0:
             raise ConfigError(f"tune.widen must be >= 0, got {t.widen}")
+        if t.honest:
+            extra = sorted({"seed", "widen"} & set(map(str, raw)))
+            if extra:
+                raise ConfigError(f"tune: by: honest takes no {', '.join(extra)} (each seed's cell tunes itself over "
+                                  "the lr axis as declared; widening it after seeing scores would not be paid for)")
+            if t.trials is None:
+                raise ConfigError("tune: by: honest needs trials: grid (every rate once), fixed:K, geometric:MEAN, "
+                                  "negative-binomial:SHAPE:MEAN, logarithmic:MEAN or poisson:MEAN (docs/tuning.md)")
+            from ..privacy.tuning import TrialCount
+
+            if str(t.trials) != "grid":
+                try:
+                    TrialCount.parse(str(t.trials))
+                except ValueError as e:
+                    raise ConfigError(f"tune.trials: {e}") from None
+        elif "trials" in raw or "score_noise" in raw:
+            raise ConfigError("tune: trials and score_noise apply to by: honest")
         return t
 
     def check_split(self, cells) -> None:
@@ -59,13 +87,17 @@ class Tune:
         out of the training data), and ``val`` where a cell carves none (every rate would score NaN)."""
         fix = ("tune on training examples held out of training: tune: {by: val} with holdout_val: N (e.g. 1000) in "
                "base or in each task")
+        split = "val" if self.honest else self.by
         for cell in cells:
-            column = _reported_column(self.by, cell.config.task)
+            if self.honest and not cell.config.dp:
+                raise ConfigError(f"tune: by: honest pays for the choice inside a privacy budget, but cell {cell.id} "
+                                  "is non-private: drop non-dp from privacy, or tune it in a grid with by: val")
+            column = _reported_column(split, cell.config.task)
             if column is not None:
                 raise ConfigError(f"tune: by: {self.by!r} is an eval set the tables report (the {column} column of "
                                   f"cell {cell.id}); choosing the rate on it would select on the reported numbers. "
                                   f"Instead {fix}")
-            if self.by != "val":
+            if split != "val":
                 raise ConfigError(f"tune: by: {self.by!r}: no run of this grid evaluates such an eval set (cell "
                                   f"{cell.id}); {fix}")
             if not cell.config.holdout_val:

@@ -185,8 +185,8 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
                    f"split into {world.size} shards): {left[:3]}" if left else ""))
     private = make_private(
         model, method=cfg.method, lr=lr, dataset_size=data.n_units, batch_size=cfg.batch_size, steps=cfg.steps,
-        target_epsilon=cfg.epsilon if cfg.dp and cfg.noise_multiplier is None else None,
-        noise_multiplier=cfg.noise_multiplier if cfg.dp else None, delta=cfg.delta, max_grad_norm=cfg.max_grad_norm,
+        target_epsilon=cfg.epsilon if cfg.dp and cfg.sigma is None else None,
+        noise_multiplier=cfg.sigma if cfg.dp else None, delta=cfg.delta, max_grad_norm=cfg.max_grad_norm,
         accountant=cfg.accountant, seed=None if cfg.secure_noise else cfg.seed, init=cfg.init,
         rank_r_start=True if cfg.start == "rank-r" else None, dense_lr=cfg.head_lr, world=world,
         secure_noise=cfg.secure_noise, noise_threads=cfg.noise_threads, allow_large_delta=cfg.allow_large_delta,

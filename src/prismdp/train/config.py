@@ -40,8 +40,8 @@ class TrainConfig:
                                          "'{loraplus_ratio: 6}' (LoRA+)", factory=dict)
     dp: bool = _opt(True, "non-private run with the same method", flag="--no-dp")
     epsilon: float = _opt(3.0, "target epsilon (default 3)")
-    noise_multiplier: float | None = _opt(None, "noise multiplier sigma, instead of calibrating it to --epsilon (the run "
-                                                "then reports the epsilon it spent; prismdp tune sets it per trial)")
+    sigma: float | None = _opt(None, "noise multiplier, instead of calibrating it to --epsilon (the run then reports "
+                                     "the epsilon it spent; prismdp tune sets it per trial)")
     delta: float = _opt(1e-5, "delta (default 1e-5); must lie below 1/N (N = training examples, or users)")
     allow_large_delta: bool = _opt(False, "accept a delta at or above 1/N (a weak guarantee: publishing one random "
                                           "example in the clear is (0, 1/N)-DP)")
@@ -150,10 +150,9 @@ class TrainConfig:
                 bad(key, f"must be a positive number, got {v!r}")
         if self.lr is not None and not self.lr > 0:
             bad("lr", f"must be a positive number, got {self.lr!r}")
-        if self.noise_multiplier is not None and (isinstance(self.noise_multiplier, bool) or not isinstance(
-                self.noise_multiplier, (int, float)) or not self.noise_multiplier > 0 or not self.dp):
-            bad("noise_multiplier", f"must be a positive number in a private run (no --no-dp), got "
-                                    f"{self.noise_multiplier!r}")
+        if self.sigma is not None and (isinstance(self.sigma, bool) or not isinstance(self.sigma, (int, float))
+                                       or not self.sigma > 0 or not self.dp):
+            bad("sigma", f"must be a positive number in a private run (no --no-dp), got {self.sigma!r}")
         if self.head_lr is not None and not self.head_lr > 0:
             bad("head_lr", f"must be a positive number, got {self.head_lr!r}")
         if not 0 < self.delta < 1:
