@@ -174,7 +174,7 @@ def test_tune_end_to_end_resumes_with_the_same_count(tiny_bert_dir, tmp_path, ca
     assert priv["per_trial"]["epsilon"] < priv["epsilon"] / 1.3
     assert priv["trials"]["drawn"] == 2 and priv["trials"]["distribution"]["family"] == "geometric"
     assert priv["trials"]["distribution"]["mean"] == 3 and priv["trials"]["draw"] == "seeded generator (seed 2)"
-    assert (rel / "adapter" / "adapter_config.json").is_file()
+    assert (rel / "adapter" / "adapter_config.json").is_file() and "seed" not in priv["selected"]
     evals = json.loads((rel / "eval.json").read_text())
     assert "val" not in evals and "val_noisy" in evals and "validation" in evals
     trial_cfg = json.loads((tmp_path / "tune" / "trial-001" / "config.json").read_text())
@@ -291,3 +291,18 @@ def test_an_experiment_grid_tunes_honestly_with_tune_by_honest(tmp_path):
             load_experiment({**grid, "tune": tune})
     with pytest.raises(ConfigError, match="non-private"):
         load_experiment({**grid, "privacy": [3, "non-dp"]})
+
+
+def test_the_score_noise_is_not_seeded_by_the_tune_seed(tmp_path):
+    """The tune seed is published (privacy.json states it); the score noise must not follow from it."""
+    from prismdp.experiment.honest import _score
+
+    plan = plan_tuning(_tiny(tmp_path), Space((1e-3,)), TrialCount.parse("geometric:3"), tune_seed=5,
+                       dataset=(50, 10), log=lambda *a: None)
+    scores = []
+    for name in ("a", "b"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "summary.json").write_text(json.dumps({"eval": {"val": {"accuracy": 0.5, "n": 10}}}))
+        scores.append(_score(plan, folder, 1))
+    assert scores[0] != scores[1]

@@ -132,8 +132,8 @@ def _add_tune(sub) -> None:
                    help="noise multiplier of each trial's validation count of correct answers (sensitivity 1; "
                         "default 10: +-1 point of accuracy on 1000 validation examples)")
     p.add_argument("--tune-seed", dest="tune_seed", type=int, default=None,
-                   help="seed the draws of K, the hyperparameters and the score noise (reproducible, stated in "
-                        "privacy.json); default: OS randomness")
+                   help="seed the draws of K and the hyperparameters (reproducible, stated in privacy.json); "
+                        "default: OS randomness. The score noise always comes from OS randomness")
     p.add_argument("--resume", action="store_true", help="continue the tuning in --output (same K and trials)")
     p.add_argument("--dry-run", dest="dry_run", action="store_true",
                    help="print the per-trial noise and the guarantee for these settings; draw and train nothing")

@@ -266,7 +266,7 @@ def _score(plan: TunePlan, folder: Path, index: int) -> float:
         return json.loads(path.read_text())["score"]
     val = json.loads((folder / "summary.json").read_text())["eval"]["val"]
     correct = int(round(val["accuracy"] * val["n"]))
-    rng = np.random.default_rng(None if plan.tune_seed is None else [plan.tune_seed, index])
+    rng = np.random.default_rng()  # always OS entropy: a stated seed would let anyone subtract the noise
     noisy = correct + float(rng.normal(0.0, plan.score_noise))
     score = noisy / plan.val_size
     write_json(path, {"score": score, "score_noise": plan.score_noise, "val_size": plan.val_size})
@@ -294,7 +294,8 @@ def release_report(plan: TunePlan, best: Optional[int], scores: dict, trial_priv
     }
     if best is not None:
         trial = plan.trials[best - 1]
-        report["selected"] = {**trial, "noisy_val_accuracy": scores[best]}
+        # its hyperparameters, not its training seed (seeded noise could be regenerated from it)
+        report["selected"] = {**{k: v for k, v in trial.items() if k != "seed"}, "noisy_val_accuracy": scores[best]}
         report["max_grad_norm"] = trial.get("max_grad_norm", plan.base["max_grad_norm"])
     return report
 
