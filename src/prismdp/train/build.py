@@ -150,8 +150,10 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
     model = skeleton if cfg.fsdp else load(quantize=cfg.quantize, device=device if cfg.quantize else None)
     del skeleton
     check_lengths(model, data)
+    for message in data.warnings:
+        log(f"[prismdp] warning: {message}")
     for key, count in data.notes.items():
-        if ("truncated" in key or "masked" in key) and count:
+        if ("truncated" in key or ("masked" in key and not data.warnings)) and count:
             log(f"[prismdp] {key}: {count} example(s) (max_length={cfg.max_length})")
         if key.endswith("blank") and count:
             log(f"[prismdp] warning: {key}: {count} example(s) with an empty sentence (kept: they train on the label "
