@@ -400,6 +400,7 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
         skip = SEQ_CLS_HEADS if task_type == "seq_cls" and pooling == "model" else None
         kwargs.update(quantization_config=_bnb_config(quantize, dtype, skip), device_map={"": str(device or "cpu")})
 
+    from safetensors import SafetensorError
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     auto = AutoModelForSequenceClassification if task_type == "seq_cls" else AutoModelForCausalLM
@@ -425,6 +426,8 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
     except ValueError as e:
         raise ModelLoadError(f"could not load {what} as a {task_type} model ({e}); is it the right kind of model "
                              f"for this task type?") from e
+    except SafetensorError as e:  # a weights file cut short: not an OSError
+        raise ModelLoadError(_damaged_weights(source, what, e)) from e
     if pooling == "mean":
         for k, v in labels.items():
             setattr(model.config, k, v)
@@ -449,6 +452,21 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
     _ensure_pad(model, tokenizer, task_type, what)
     model.eval()
     return model, tokenizer
+
+
+def _damaged_weights(source: str, what: str, error: Exception) -> str:
+    """The load error of a safetensors file that cannot be read (cut short by an interrupted copy or download): the
+    first file of a local folder whose header or size safetensors refuses, or ``what`` where none is found."""
+    from safetensors import safe_open
+
+    for path in sorted(Path(source).glob("*.safetensors")) if Path(source).is_dir() else ():
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - any refusal names this file
+            return f"{path} is damaged or incomplete ({e}): copy or download it again"
+    return f"could not read the weights of {what} ({error}): a safetensors file is damaged or incomplete; copy or " \
+           "download it again"
 
 
 def enable_gradient_checkpointing(model) -> None:
