@@ -99,9 +99,17 @@ def test_final_lines_print_no_nan_and_no_bound_that_is_not_there(tmp_path, monke
     from prismdp.cli import main
 
     summary = {"privacy": {"private": True, "epsilon": 2.99, "delta": 1e-5}, "eval": {"gsm8k": {"score": 0.5, "n": 2}}}
-    monkeypatch.setattr(loop, "train", lambda *a, **k: SimpleNamespace(summary=summary))
+
+    def train(*a, log=print, **k):  # what the run logs: --quiet keeps its warnings only
+        log("[prismdp] truncated: 3 example(s) (max_length=64)")
+        log("[prismdp] warning: 3 of 12 training examples (25 %) have no target token left")
+        return SimpleNamespace(summary=summary)
+
+    monkeypatch.setattr(loop, "train", train)
     assert main(["train", "--quiet", "--output", str(tmp_path / "t")]) == 0
-    assert capsys.readouterr().out.splitlines()[0] == "gsm8k accuracy 0.5000 (n=2) | epsilon 2.990 (delta 1e-05)"
+    assert capsys.readouterr().out.splitlines() == [
+        "[prismdp] warning: 3 of 12 training examples (25 %) have no target token left",
+        "gsm8k accuracy 0.5000 (n=2) | epsilon 2.990 (delta 1e-05)", f"adapter, metrics and privacy report in {tmp_path / 't'}"]
     fdp = {"gdp_mu_lower_bound": 0.0, "gdp_eps_lower_bound": 0.0, "mechanism_sigma_upper_bound": None,
            "mechanism_eps_lower_bound": 0.0, "verdict": "consistent"}
     rep = {"canary_kind": "gradient", "correct": 0, "guesses": 0, "m": 10, "eps_lower_bound": 0.0,

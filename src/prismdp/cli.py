@@ -132,6 +132,13 @@ def _continue_command(argv: list[str], command: str) -> str:
     return shlex.join([*launcher, *argv, *resume])
 
 
+def _warnings_only(line, *args, **kwargs) -> None:
+    """``--quiet``'s log: prismdp's warnings are kept, its informational lines dropped (the final lines are printed
+    by the command itself)."""
+    if "warning" in str(line):
+        print(line, *args, **kwargs)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from .train.config import TrainConfig, load_config_file
     from .train.interrupt import TrainingInterrupted
@@ -147,8 +154,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
               "subsets; the noise and the Poisson sampling come from an OS-keyed ChaCha20 stream and take no seed",
               file=sys.stderr)
     try:
+        quiet = getattr(args, "quiet", False)
         summary = train(cfg, resume=getattr(args, "resume", False), stop_after=getattr(args, "stop_after", None),
-                        progress=not getattr(args, "quiet", False)).summary
+                        progress=not quiet, log=_warnings_only if quiet else print).summary
     except TrainingInterrupted:
         raise
     except KeyboardInterrupt as e:  # a second Ctrl-C, or one before the training loop (loading, calibration)
