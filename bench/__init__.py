@@ -4,6 +4,10 @@ are in :mod:`bench.studies` (docs/studies.md)."""
 import subprocess
 from pathlib import Path
 
+from prismdp.quiet import install as _install_quiet
+
+_install_quiet()  # before any benchmark imports peft / transformers: their harmless messages filtered (prismdp.quiet)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -11,17 +11,21 @@ Arguments: every TrainingArguments and PrivacyArguments flag (HfArgumentParser),
 JSON file), ``--examples`` (a seeded subset), ``--max_length``, ``--model`` (default: the packaged SmolLM2-135M).
 """
 
-from dataclasses import dataclass, field
+from prismdp.quiet import install as quiet_library_messages
 
-import torch
-from datasets import Dataset
-from peft import LoraConfig, get_peft_model
-from transformers import DataCollatorForSeq2Seq, HfArgumentParser, TrainingArguments
+quiet_library_messages()  # first: the harmless messages of the libraries imported below (prismdp.quiet)
 
-from prismdp.data import build_instruct_dataset, load_instruct_json
-from prismdp.data.splits import seeded_subset
-from prismdp.integrations.hf import PrivacyArguments, PrivateTrainer
-from prismdp.models import load_model
+from dataclasses import dataclass, field  # noqa: E402
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from transformers import DataCollatorForSeq2Seq, HfArgumentParser, TrainingArguments  # noqa: E402
+
+from prismdp.data import build_instruct_dataset, load_instruct_json  # noqa: E402
+from prismdp.data.splits import seeded_subset  # noqa: E402
+from prismdp.integrations.hf import PrivacyArguments, PrivateTrainer  # noqa: E402
+from prismdp.models import load_model  # noqa: E402
 
 
 @dataclass

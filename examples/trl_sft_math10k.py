@@ -9,18 +9,22 @@ accounts.  Packing and padding-free batches are refused (they would join several
         --target_epsilon 6 --expected_batch_size 16
 """
 
-from dataclasses import dataclass, field
+from prismdp.quiet import install as quiet_library_messages
 
-import torch
-from datasets import Dataset
-from peft import LoraConfig, get_peft_model
-from transformers import HfArgumentParser
-from trl import SFTConfig, SFTTrainer
+quiet_library_messages()  # first: the harmless messages of the libraries imported below (prismdp.quiet)
 
-from prismdp.data import generate_prompt, load_instruct_json
-from prismdp.data.splits import seeded_subset
-from prismdp.integrations.hf import PrivacyArguments, private_trainer_class
-from prismdp.models import load_model
+from dataclasses import dataclass, field  # noqa: E402
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from transformers import HfArgumentParser  # noqa: E402
+from trl import SFTConfig, SFTTrainer  # noqa: E402
+
+from prismdp.data import generate_prompt, load_instruct_json  # noqa: E402
+from prismdp.data.splits import seeded_subset  # noqa: E402
+from prismdp.integrations.hf import PrivacyArguments, private_trainer_class  # noqa: E402
+from prismdp.models import load_model  # noqa: E402
 
 PrivateSFTTrainer = private_trainer_class(SFTTrainer)
 

@@ -27,6 +27,7 @@ def _imported_modules(path: Path) -> set[str]:
 
 #: The layers of docs/architecture.md, bottom up: a module imports only from layers below its own.
 LAYERS = [
+    {"quiet"},  # library messages known to be harmless, filtered in one place
     {"atomic", "flags", "quantized"},  # utilities; one quantized layer's weight
     {"geometry", "privacy", "distributed", "sharding", "data", "heads", "losses"},
     {"lora", "models", "eval"},

@@ -456,7 +456,7 @@ def test_config_file_errors_name_the_file(tmp_path, capsys):
 def test_instruct_run_counts_truncation(tiny_llama_dir, tmp_path, shared_data):
     logs = []
     res = train(tiny_cfg(tiny_llama_dir, tmp_path / "i", task="instruct", data=str(shared_data / "math" / "math_10k.json"),
-                         train_examples=24, max_length=48, batch_size=8, micro_batch_size=4, steps=2),
+                         train_examples=24, max_length=128, batch_size=8, micro_batch_size=4, steps=2),
                 progress=False, log=logs.append)
     notes = json.loads((tmp_path / "i" / "config.json").read_text())["data_notes"]
     assert notes["train_examples"] == 24 and notes["truncated"] > 0
@@ -579,3 +579,34 @@ def test_the_lora_model_is_built_without_a_warning():
         warnings.simplefilter("error")
         model, targets, _ = build_lora_model(TrainConfig(rank=2, alpha=4.0), base, "seq_cls")
     assert targets and any("lora_A" in n for n, _ in model.named_parameters())
+
+
+def _instruct(path, n_long, n_short):
+    """LLM-Adapters records: ``n_long`` whose prompt alone fills 48 tokens (no target token left at --max-length 48),
+    ``n_short`` whose answer fits."""
+    recs = ([{"instruction": " ".join(["word"] * 80), "input": "", "output": "3"}] * n_long
+            + [{"instruction": "Add one and two.", "input": "", "output": "3"}] * n_short)
+    path.write_text(json.dumps(recs))
+    return str(path)
+
+
+def test_data_without_a_target_token_is_refused_before_any_budget_is_spent(tiny_llama_dir, tmp_path, capsys):
+    """Issue 42, defect 3: every example fully masked (the prompt fills --max-length, the prompt is not trained on):
+    the run spent its budget on a loss of 0 and exited 0.  Now exit 2 with one line naming both fixes, and no run
+    folder.  Many examples masked (more than 10 %) is warned with the same fixes; a few are only counted."""
+    out = tmp_path / "m"
+    args = ["train", "--model", tiny_llama_dir, "--task", "instruct", "--steps", "1", "--batch-size", "4",
+            "--micro-batch-size", "2", "--max-length", "48", "--rank", "2", "--quiet"]
+    assert main([*args, "--data", _instruct(tmp_path / "all.json", 12, 0), "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "none of the 12 training examples" in err[0]
+    assert "--max-length" in err[0] and "--train-on-inputs" in err[0] and not out.exists()
+    for n_long, warned in ((3, True), (1, False)):  # 3 of 12 (25 %) warned; 1 of 12 (8 %) counted
+        logs = []
+        train(tiny_cfg(tiny_llama_dir, tmp_path / f"w{n_long}", task="instruct", max_length=48, batch_size=4,
+                       micro_batch_size=2, steps=1, data=_instruct(tmp_path / f"{n_long}.json", n_long, 12 - n_long)),
+              progress=False, log=logs.append)
+        warning = [line for line in logs if "warning" in line and "no target token" in line]
+        assert bool(warning) == warned, logs
+        if warned:
+            assert f"{n_long} of 12" in warning[0] and "--max-length" in warning[0] and "--train-on-inputs" in warning[0]

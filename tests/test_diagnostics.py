@@ -195,6 +195,6 @@ def test_diagnostics_put_lora_where_the_trainer_does(tiny_llama_dir, tmp_path):
     data.write_text(json.dumps([{"instruction": f"add {i} and 1", "input": "", "output": f"{i + 1}"}
                                 for i in range(8)]))
     s = Settings.from_dict(dict(model=str(gemma_dir), task="instruct", data=str(data), batch_size=4,
-                                micro_batch_size=4, rank=4, max_length=32, progress=False))
+                                micro_batch_size=4, rank=4, max_length=64, progress=False))
     wrapped = [n for n, m in Session(s, log=lambda *a: None).peft_model(0).named_modules() if hasattr(m, "lora_A")]
     assert len(wrapped) == 5 * 2 and not any("vision" in n for n in wrapped)  # 5 kinds x 2 decoder layers

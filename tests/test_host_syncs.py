@@ -86,7 +86,7 @@ def test_prismdp_train_reads_the_host_at_most_twice_per_logical_step(tiny_llama_
     if unit == "user":  # 24 users of 4 examples, 6 per step: about 3 micro-batches of 2 users
         _records(tmp_path / "notes.json", n_users=24, per_user=4)
         extra = dict(task="instruct", data=str(tmp_path / "notes.json"), privacy_unit="user", user_id_column="user",
-                     batch_size=6)
+                     batch_size=6, max_length=64)  # the prompts fit with their answers (32 would mask them all)
     cfg = tiny_cfg(tiny_llama_dir, tmp_path / "run", method=method, steps=4, micro_batch_size=8, dropout=0.05,
                    checkpoint_every=100, **extra)
     with counter:

@@ -184,3 +184,26 @@ def test_whole_read_note_names_a_conversion_and_a_gguf_file_and_stays_quiet_for_
     assert models.stored_dtype(None, "causal_lm") is None  # GGUF: no stored dtype to read in
     note = models.whole_read_note(None, "causal_lm", torch.bfloat16, 2**28)
     assert "is a GGUF file: rank 0 de-quantizes it whole" in note and "about 0.2 GiB" in note, note
+
+
+@pytest.mark.parametrize("keep", [0.5, 1 - 1e-4, 0.0])
+def test_a_truncated_safetensors_file_is_a_load_error_naming_the_file(tiny_bert_dir, tmp_path, capsys, keep):
+    """Issue 42, defect 8: a ``model.safetensors`` cut short (an interrupted copy or download) ended ``prismdp train``
+    in a ``SafetensorError`` traceback whose message named no file.  Now a :class:`ModelLoadError` naming the file and
+    the fix, and on the command line one line and exit 2, no run folder.  Failed on f672fd3 (SafetensorError)."""
+    import shutil
+
+    from prismdp.cli import main
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_bert_dir, folder)
+    weights = folder / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(int(weights.stat().st_size * keep))
+    with pytest.raises(ModelLoadError, match=f"{weights} is damaged or incomplete .*copy or download it again"):
+        load_model(str(folder), "seq_cls", num_labels=2)
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(folder), "--synthetic-train", "32", "--synthetic-test", "8", "--steps", "1",
+                 "--batch-size", "8", "--max-length", "16", "--quiet", "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(weights) in err[0] and not out.exists()

@@ -443,3 +443,36 @@ def test_fsdp_refuses_bitsandbytes_weights_and_8bit_and_names_the_fix(monkeypatc
     monkeypatch.setitem(__import__("sys").modules, "torchao.quantization", None)
     with pytest.raises(ConfigError, match="pip install 'torchao"):
         build_run(TrainConfig(task="instruct", fsdp=True, quantize="4bit"), world=world)
+
+
+@pytest.mark.parametrize("kind", ["4bit", "8bit"])
+def test_the_new_classification_head_of_a_quantized_encoder_stays_float_and_trains(tiny_bert_dir, kind):
+    """Issue 42, defect 1: ``prismdp train --quantize 4bit|8bit`` on a sequence-classification checkpoint with its own
+    head (the default encoder task).  The new head, which PEFT trains whole (``modules_to_save``), must stay an
+    ordinary float ``nn.Linear``, as QLoRA keeps it (bitsandbytes' ``llm_int8_skip_modules``); transformers' own
+    default skips miss it (the last parameter is ``classifier.bias``), so the head was quantized and make_private
+    refused it as untrainable.  Checked with the private run being built; failed before the fix (Linear4bit /
+    Linear8bitLt head)."""
+    from prismdp.engine import make_private
+
+    model, _ = load_model(tiny_bert_dir, "seq_cls", num_labels=3, quantize=kind)
+    assert type(model.classifier) is nn.Linear and model.classifier.weight.dtype == torch.float32
+    assert quantized_base(find_lora_pairs(get_peft_model(copy.deepcopy(model), LoraConfig(
+        r=2, target_modules=["query"])))[0]) == kind  # the encoder itself is quantized
+    peft = get_peft_model(model, LoraConfig(r=2, target_modules=["query", "value"], task_type="SEQ_CLS"))
+    private = make_private(peft, lr=1e-3, dataset_size=64, batch_size=8, steps=1, seed=0)
+    assert private is not None
+
+
+def test_quantize_linear_layers_keeps_a_nested_head_whole():
+    """The GGUF path (layers quantized after loading): a head named in ``skip`` stays float with all its layers (a
+    RoBERTa-style ``classifier.dense`` / ``classifier.out_proj``), not only a layer of exactly that name."""
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    torch.manual_seed(0)
+    model = RobertaForSequenceClassification(RobertaConfig(
+        vocab_size=50, hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=40, num_labels=2))
+    replaced = quantize_linear_layers(model, "4bit", skip=("classifier",))
+    assert replaced and not any("classifier" in n for n in replaced)
+    assert type(model.classifier.dense) is nn.Linear and type(model.classifier.out_proj) is nn.Linear

@@ -34,7 +34,7 @@ def test_prismdp_train_user_level_counts_users_and_refuses_tasks_without_user_id
     data = tmp_path / "notes.json"
     _records(data, n_users=12, per_user=4)
     common = ["train", "--model", tiny_llama_dir, "--task", "instruct", "--data", str(data), "--steps", "3",
-              "--batch-size", "3", "--micro-batch-size", "8", "--rank", "2", "--alpha", "4", "--max-length", "32",
+              "--batch-size", "3", "--micro-batch-size", "8", "--rank", "2", "--alpha", "4", "--max-length", "64",
               "--lr", "1e-3", "--quiet", "--epsilon", "3"]
     assert main([*common, "--privacy-unit", "user", "--user-id-column", "user", "--output", str(tmp_path / "u")]) == 0
     rep = json.loads((tmp_path / "u" / "privacy.json").read_text())

@@ -15,6 +15,8 @@ import os
 import shlex
 import sys
 
+from .quiet import install as install_quiet
+
 __all__ = ["main", "build_parser"]
 
 
@@ -192,6 +194,13 @@ def _continue_command(argv: list[str], command: str) -> str:
     return shlex.join([*launcher, *argv, *resume])
 
 
+def _warnings_only(line, *args, **kwargs) -> None:
+    """``--quiet``'s log: prismdp's warnings are kept, its informational lines dropped (the final lines are printed
+    by the command itself)."""
+    if "warning" in str(line):
+        print(line, *args, **kwargs)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from .train.config import TrainConfig, load_config_file
     from .train.interrupt import TrainingInterrupted
@@ -207,8 +216,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
               "subsets; the noise and the Poisson sampling come from an OS-keyed ChaCha20 stream and take no seed",
               file=sys.stderr)
     try:
+        quiet = getattr(args, "quiet", False)
         summary = train(cfg, resume=getattr(args, "resume", False), stop_after=getattr(args, "stop_after", None),
-                        progress=not getattr(args, "quiet", False)).summary
+                        progress=not quiet, log=_warnings_only if quiet else print).summary
     except TrainingInterrupted:
         raise
     except KeyboardInterrupt as e:  # a second Ctrl-C, or one before the training loop (loading, calibration)
@@ -222,8 +232,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     eps = f"epsilon {privacy['epsilon']:.3f} (delta {privacy['delta']:g})" if privacy.get("private") else "non-private"
     for name, ev in summary.get("eval", {}).items():
         score = ev.get("accuracy", ev.get("score"))
-        print(f"{name} accuracy {score:.4f} (n={ev['n']}, majority class {ev.get('majority_baseline', float('nan')):.4f})"
-              f" | {eps}")
+        majority = f", majority class {ev['majority_baseline']:.4f}" if "majority_baseline" in ev else ""
+        print(f"{name} accuracy {score:.4f} (n={ev['n']}{majority}) | {eps}")
     if not summary.get("eval"):
         print(eps)
     print(f"adapter, metrics and privacy report in {cfg.output}")
@@ -246,11 +256,14 @@ def _cmd_audit(args: argparse.Namespace) -> int:
           f"{rep['epsilon']:.3f} (delta {rep['delta']:g}): {rep['verdict']} [{rep['runtime_s']:.0f} s, "
           f"{cfg.output}/audit.json]")
     f = rep["fdp"]
-    sigma = "no bound" if f["mechanism_sigma_upper_bound"] is None else f"{f['mechanism_sigma_upper_bound']:.3f}"
-    eps = "inf" if f["mechanism_eps_lower_bound"] is None else f"{f['mechanism_eps_lower_bound']:.3f}"
+    if f["mechanism_sigma_upper_bound"] is None:  # no noise level rejected: nothing to bound
+        rejected = "no noise level of the run's mechanism is rejected"
+    else:
+        eps = "inf" if f["mechanism_eps_lower_bound"] is None else f"{f['mechanism_eps_lower_bound']:.3f}"
+        rejected = (f"the run's mechanism is rejected above noise {f['mechanism_sigma_upper_bound']:.3f} "
+                    f"(epsilon >= {eps} by the accountant)")
     print(f"f-DP (Mahloujifar et al. 2024), same scores: mu >= {f['gdp_mu_lower_bound']:.3f} "
-          f"(epsilon >= {f['gdp_eps_lower_bound']:.3f} as Gaussian DP); the run's mechanism is rejected above noise "
-          f"{sigma} (epsilon >= {eps} by the accountant; run's noise "
+          f"(epsilon >= {f['gdp_eps_lower_bound']:.3f} as Gaussian DP); {rejected} (run's noise "
           f"{rep['noise_multiplier']:.3f}): {f['verdict']}")
     return 0 if rep["verdict"] == "consistent" else 1
 
@@ -338,20 +351,8 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def _quiet_optional_backends() -> None:
-    """transformers imports torchao wherever it is installed; on a CPU build torchao then logs a warning for each
-    CUDA kernel it cannot load (and torch one for each enum it registers); peft imports bitsandbytes, whose CPU
-    backend, on a CPU with AVX512-BF16, warns that it could not fetch an optional 4-bit kernel from the Hugging Face
-    Hub (its package ``kernels`` missing or offline; bitsandbytes' own CPU kernel is used): noise on every command,
-    none of it about this run."""
-    import logging
-
-    for name in ("torchao", "torch.utils._pytree", "bitsandbytes.backends.cpu.ops"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
 def main(argv: list[str] | None = None) -> int:
-    _quiet_optional_backends()
+    install_quiet()  # first: optional backends log while they are imported (prismdp.quiet)
     from .distributed import PeerLostError, ReplicaDivergenceError
     from .models import ModelLoadError
     from .privacy import BudgetExhaustedError
@@ -360,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    install_quiet(quiet=getattr(args, "quiet", False))
     try:
         return {"train": _cmd_train, "epsilon": _cmd_epsilon, "experiment": _cmd_experiment,
                 "diagnose": _cmd_diagnose, "audit": _cmd_audit, "tune": _cmd_tune}[args.command](args)

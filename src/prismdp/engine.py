@@ -25,6 +25,7 @@ from .distributed import World, current_world, shard_seed
 from .grad_sample import GradSampler, float32_trainables
 from .lora import LoraPair, RankRStart, find_lora_pairs, freeze_lora_A, move_to_rank_r_start
 from .quantized import keep_canonical_layout
+from .quiet import install as install_quiet
 from .optim import PRISM, dp_adamw, dp_ffa, dp_lamb, dp_lora_plus, dp_lora_rite
 from .privacy import BudgetExhaustedError, PoissonSampler, PrivacyBudget, calibrate_sigma, check_delta, epsilon
 from .privacy.accounting import vacuous_delta_error
@@ -32,6 +33,8 @@ from .privacy.clipping import DPConfig, noise_generator
 from .privacy.mechanism import GaussianMechanism
 from .privacy.secure import SecureRandom
 from .sharding import is_sharded
+
+install_quiet()  # library messages known to be harmless (prismdp.quiet), for the Python API as for the CLI
 
 __all__ = ["make_private", "PrivateLoRA", "METHODS", "MethodSpec", "register_method", "set_dense_lr", "to_device"]
 
@@ -381,6 +384,7 @@ def make_private(
     at or above ``1 / dataset_size`` is refused (the guarantee would not rule out leaking a whole example) unless
     ``allow_large_delta``.
     """
+    install_quiet()
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {sorted(METHODS)}")
     if not (isinstance(dataset_size, int) and dataset_size > 0):

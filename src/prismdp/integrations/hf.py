@@ -48,9 +48,14 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import Trainer
 
-from ..atomic import write_json
+from ..quiet import install as install_quiet
+
+install_quiet()  # before transformers' Trainer imports its optional backends, which log (prismdp.quiet)
+
+from transformers import Trainer  # noqa: E402
+
+from ..atomic import write_json  # noqa: E402
 from ..engine import METHODS, make_private, to_device
 from ..export import export_adapter
 from ..losses import causal_lm_losses, classification_losses
@@ -194,6 +199,7 @@ class PrivacyMixin:
     (:func:`private_trainer_class`)."""
 
     def __init__(self, model=None, args=None, *rest, privacy_args: PrivacyArguments | None = None, **kwargs):
+        install_quiet()
         if privacy_args is None:
             raise ValueError("PrivateTrainer needs privacy_args=PrivacyArguments(...)")
         if rest:

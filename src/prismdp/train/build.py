@@ -4,7 +4,6 @@ all build their runs here)."""
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -103,9 +102,7 @@ def build_lora_model(cfg: TrainConfig, model: nn.Module, task_type: str | None =
     peft_task = {"seq_cls": "SEQ_CLS", "causal_lm": "CAUSAL_LM", None: None}[task_type]
     lora_cfg = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
                           exclude_modules=exclude, task_type=peft_task)
-    with warnings.catch_warnings():  # peft <= 0.21 reads transformers 5's deprecated alias: a warning for every run
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        return get_peft_model(model, lora_cfg), targets, exclude
+    return get_peft_model(model, lora_cfg), targets, exclude
 
 
 def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend_data=None,
@@ -150,8 +147,10 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
     model = skeleton if cfg.fsdp else load(quantize=cfg.quantize, device=device if cfg.quantize else None)
     del skeleton
     check_lengths(model, data)
+    for message in data.warnings:
+        log(f"[prismdp] warning: {message}")
     for key, count in data.notes.items():
-        if ("truncated" in key or "masked" in key) and count:
+        if ("truncated" in key or ("masked" in key and not data.warnings)) and count:
             log(f"[prismdp] {key}: {count} example(s) (max_length={cfg.max_length})")
         if key.endswith("blank") and count:
             log(f"[prismdp] warning: {key}: {count} example(s) with an empty sentence (kept: they train on the label "

@@ -19,7 +19,7 @@ from ..losses import causal_lm_losses, classification_losses
 from .step import model_inputs
 from .config import ConfigError, TrainConfig
 
-__all__ = ["TaskData", "task_head", "build_task_data", "evaluate_classification", "DEFAULT_TARGETS", "default_targets",
+__all__ = ["TaskData", "task_head", "build_task_data", "check_targets_left", "MASKED_WARN_SHARE", "evaluate_classification", "DEFAULT_TARGETS", "default_targets",
            "lora_exclude_modules", "model_inputs"]
 
 # LoRA targets per model family when --target-modules is not given (the paper's q, k, v, up, down for decoders)
@@ -72,6 +72,7 @@ class TaskData:
     gen_eval_sets: list = field(default_factory=list)  # prismdp.eval.sets.EvalSet (causal-LM tasks)
     gen_eval_missing: dict = field(default_factory=dict)  # requested eval sets whose files were not found
     units: list[list[int]] | None = None  # user-level privacy: per user, the indices of its training examples
+    warnings: list[str] = field(default_factory=list)  # problems of the data the run trains anyway (shown before it)
 
     @property
     def n_units(self) -> int:
@@ -113,6 +114,28 @@ def _generation_evals(cfg: TrainConfig) -> tuple[list, dict]:
     return resolve_eval_sets(names, eval_data, limit=cfg.eval_examples)
 
 
+# More than this share of training examples without a target token is warned (docs/data.md): they are sampled and
+# cost privacy budget like the others but train nothing, so a tenth of the budget spent on them is worth a look
+MASKED_WARN_SHARE = 0.10
+
+
+def check_targets_left(n_masked: int, n: int, cfg: TrainConfig) -> list[str]:
+    """Examples whose every label is masked (their prompt alone fills ``--max-length`` and the prompt is not trained
+    on) train nothing: all of them is a :class:`ConfigError`, raised before any budget is spent; more than
+    :data:`MASKED_WARN_SHARE` of them a warning returned (as a list of at most one message); both name the fix."""
+    fix = (f"Fix: raise --max-length (now {cfg.max_length}) so that the answers fit after their prompts, or pass "
+           "--train-on-inputs to train on the prompts too")
+    if n and n_masked == n:
+        raise ConfigError(f"max_length: none of the {n} training examples has a target token left: each prompt "
+                          f"alone fills {cfg.max_length} tokens and the prompts are not trained on, so the run would "
+                          f"spend its privacy budget on a loss of 0. {fix}")
+    if n_masked > MASKED_WARN_SHARE * n:
+        return [f"{n_masked} of {n} training examples ({100 * n_masked / n:.0f} %) have no target token left after "
+                f"truncation to {cfg.max_length} tokens: they are sampled and cost privacy budget but train nothing. "
+                f"{fix}"]
+    return []
+
+
 def build_task_data(cfg: TrainConfig, tokenizer) -> TaskData:
     if TASKS[cfg.task].head == "causal_lm":
         if cfg.task == "glue8":
@@ -130,6 +153,7 @@ def build_task_data(cfg: TrainConfig, tokenizer) -> TaskData:
             extra = {}
         gen_sets, gen_missing = _generation_evals(cfg)  # before tokenising: a bad eval setup fails fast
         ds = build_instruct_dataset(records, tokenizer, cfg.max_length, cfg.train_on_inputs, fully_masked="keep")
+        warned = check_targets_left(ds.n_fully_masked, len(ds.examples), cfg)
         feats = [{k: ex[k] for k in ("input_ids", "attention_mask", "labels")} for ex in ds.examples]
         notes = {"train_examples": len(feats), "truncated": ds.n_truncated, "fully_masked": ds.n_fully_masked,
                  **extra, **{f"{s.name}_examples": len(s.golds) for s in gen_sets}}
@@ -144,7 +168,7 @@ def build_task_data(cfg: TrainConfig, tokenizer) -> TaskData:
             units = list(by_user.values())
             notes["users"] = len(units)
         return TaskData("causal_lm", feats, causal_lm_losses, notes=notes, gen_eval_sets=gen_sets,
-                        gen_eval_missing=gen_missing, units=units)
+                        gen_eval_missing=gen_missing, units=units, warnings=warned)
     if cfg.user_id_column:
         raise ConfigError(f"privacy_unit: user-level privacy needs a user id in every record; task {cfg.task!r} has "
                           "none (use task instruct with records that name their user)")
