@@ -474,13 +474,13 @@ def test_epsilon_is_shown_at_eight_steps_and_equals_the_accountant_there(tiny_be
     import prismdp.privacy.accounting as accounting
 
     calls = []
-    original = accounting._epsilon.__wrapped__
+    original = accounting._answer.__wrapped__
 
     def counting(*args):
         calls.append(args)
         return original(*args)
 
-    monkeypatch.setattr(accounting, "_epsilon", accounting.lru_cache(maxsize=4096)(counting))
+    monkeypatch.setattr(accounting, "_answer", accounting.lru_cache(maxsize=4096)(counting))
     out = tmp_path / "run"
     train(tiny_cfg(tiny_bert_dir, out, steps=20, batch_size=8), progress=False, log=lambda *a: None)
     resolved = json.loads((out / "config.json").read_text())

@@ -62,14 +62,14 @@ def test_prv_and_pld_agree_within_their_stated_error_and_rdp_is_never_below(sigm
 
 
 def test_large_epsilons_are_refused_or_reported_as_untrusted_at_once():
-    from prismdp.privacy.accounting import MAX_EPSILON, _epsilon
+    from prismdp.privacy.accounting import MAX_EPSILON, _answer
 
-    calls = _epsilon.cache_info()
+    calls = _answer.cache_info()
     with pytest.raises(ValueError, match="above 100"):
         calibrate_sigma(1000.0, DELTA, 0.016, 100)
     with pytest.raises(ValueError, match="above 100"):
         calibrate_sigma(1e6, DELTA, 0.016, 100, accountant="rdp")
-    after = _epsilon.cache_info()
+    after = _answer.cache_info()
     assert (after.hits, after.misses) == (calls.hits, calls.misses)  # refused before any accountant call
     # a tiny sigma: RDP gives a finite epsilon far above the trusted range -> inf, not a misleading number
     assert epsilon(0.05, 0.5, 100, DELTA, "rdp") == math.inf

@@ -21,7 +21,7 @@ __all__ = ["main", "build_parser"]
 
 
 def _add_train(sub) -> None:
-    from .flags import add_config_flags
+    from .flags import add_config_flags, integer
     from .train.config import TrainConfig
 
     p = sub.add_parser("train", help="DP fine-tune a model with LoRA", argument_default=argparse.SUPPRESS,
@@ -29,13 +29,13 @@ def _add_train(sub) -> None:
     p.add_argument("--config", help="YAML or JSON file with the same keys as the flags")
     add_config_flags(p, TrainConfig)
     p.add_argument("--resume", action="store_true", help="continue the run in --output from its checkpoint")
-    p.add_argument("--stop-after", dest="stop_after", type=int, help=argparse.SUPPRESS)  # simulate an interruption
+    p.add_argument("--stop-after", dest="stop_after", type=integer, help=argparse.SUPPRESS)  # simulate an interruption
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def _add_audit(sub) -> None:
     from .audit.run import CANARY_KINDS
-    from .flags import add_config_flags
+    from .flags import add_config_flags, finite_float, integer
     from .train.config import TrainConfig
 
     p = sub.add_parser("audit", help="one training run with canaries: an empirical lower bound on its epsilon",
@@ -46,25 +46,29 @@ def _add_audit(sub) -> None:
                                    "bound exceeds it.")
     p.add_argument("--config", help="YAML or JSON file with the same keys as the flags")
     add_config_flags(p, TrainConfig)
-    p.add_argument("--canaries", type=int, default=1000, help="number of canaries m (default 1000)")
+    p.add_argument("--canaries", type=integer, default=1000, help="number of canaries m (default 1000)")
     p.add_argument("--canary-kind", dest="canary_kind", choices=CANARY_KINDS, default="gradient",
                    help="gradient (white-box: a gradient of norm C in a random direction, default) or input "
                         "(black-box: random tokens with random labels, scored by their loss)")
-    p.add_argument("--significance", type=float, default=0.05, help="1 - confidence of the bound (default 0.05)")
+    p.add_argument("--significance", type=finite_float, default=0.05,
+                   help="1 - confidence of the bound (default 0.05)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def _add_epsilon(sub) -> None:
+    from .flags import finite_float, integer
+
     p = sub.add_parser("epsilon", help="epsilon of a run, or the sigma that reaches a target epsilon")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--sigma", type=float, help="noise multiplier")
-    what.add_argument("--target-epsilon", type=float, help="print the calibrated sigma instead")
-    p.add_argument("--sample-rate", type=float, required=True)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--delta", type=float, default=1e-5)
+    what.add_argument("--sigma", type=finite_float, help="noise multiplier")
+    what.add_argument("--target-epsilon", type=finite_float, help="print the calibrated sigma instead")
+    p.add_argument("--sample-rate", type=finite_float, required=True)
+    p.add_argument("--steps", type=integer, required=True)
+    p.add_argument("--delta", type=finite_float, default=1e-5)
     p.add_argument("--accountant", choices=["prv", "rdp", "pld"], default="prv",
                    help="Opacus' prv (default) or rdp, or Google dp-accounting's pld")
-    p.add_argument("--dataset-size", type=int, help="N (training examples or users): refuse a delta at or above 1/N")
+    p.add_argument("--dataset-size", type=integer,
+                   help="N (training examples or users): refuse a delta at or above 1/N")
     p.add_argument("--allow-large-delta", action="store_true", help="accept a delta at or above 1/N")
 
 
@@ -161,8 +165,16 @@ def _add_diagnose(sub) -> None:
     add_arguments(p)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line on stderr (exit status 2): ``prismdp train: error: ...``
+    (``prismdp train --help`` shows the usage)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prismdp", description="Differentially private LoRA with PRISM")
+    parser = _Parser(prog="prismdp", description="Differentially private LoRA with PRISM")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_epsilon(sub)
@@ -270,7 +282,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 
 def _cmd_epsilon(args: argparse.Namespace) -> int:
     from .privacy import calibrate_sigma, check_delta, epsilon
-    from .privacy.accounting import vacuous_delta_error
+    from .privacy.accounting import accounting_note, vacuous_delta_error
 
     if args.dataset_size is not None:
         check_delta(args.delta, args.dataset_size, allow_large=args.allow_large_delta)
@@ -284,12 +296,11 @@ def _cmd_epsilon(args: argparse.Namespace) -> int:
                                     accountant=args.accountant)
     except RuntimeError as e:  # Opacus' PRV: "Cannot compute epsilon" where delta exceeds what epsilon 0 gives
         raise vacuous_delta_error(args.delta, args.accountant, str(e)) from e
+    sigma = args.sigma if args.sigma is not None else value
+    note = accounting_note(sigma, args.sample_rate, args.steps, args.delta, args.accountant)
     print(f"{value:.6f}")
-    if value == float("inf"):
-        from .privacy.accounting import MAX_EPSILON
-
-        print(f"prismdp epsilon: above {MAX_EPSILON:g}, where the accountants are not trusted: no meaningful "
-              "guarantee", file=sys.stderr)
+    if note:  # another accountant answered, or no meaningful guarantee: say which and why (stdout stays a number)
+        print(f"prismdp epsilon: {note}", file=sys.stderr)
     return 0
 
 

@@ -19,6 +19,14 @@ Epsilons above :data:`MAX_EPSILON` (100) are not trusted: such a guarantee certi
 accountants leave their accurate range there (PRV's grid overflows to ``ln(max double) = 709.78`` for tiny sigmas, and
 calibrating for them took a minute).  :func:`epsilon` reports them as ``inf``; :func:`calibrate_sigma` refuses such a
 target at once.
+
+Which accountant answers (docs/accounting.md): before any accountant runs, :func:`.lower_bound.epsilon_lower_bound`
+(milliseconds) may prove epsilon above :data:`MAX_EPSILON`: the answer is then ``inf`` at once (issue 42: PRV tried to
+allocate 136 GiB at sigma 0.01).  PRV answers only where its grid has at most :data:`PRV_MAX_POINTS` points (about a
+second and 150 MB; a million steps at q = 0.0064 needed 48 million points and 48 s) and its epsilon is at least
+:data:`PRV_MIN_EPSILON` (its additive error 0.01 is then at most a tenth of it); elsewhere PLD answers instead, and
+:func:`accounting_note` (``privacy.json``'s ``accountant_note``, ``prismdp epsilon``'s stderr line) says so and why.
+Step counts above :data:`MAX_STEPS` are refused.
 """
 
 from __future__ import annotations
@@ -31,11 +39,13 @@ from typing import Any
 
 from opacus.accountants import RDPAccountant
 
+from .lower_bound import epsilon_lower_bound
 from .pld import PLDAccountant
-from .prv import CachedRDPDomainPRVAccountant
+from .prv import CachedRDPDomainPRVAccountant, grid_points
 
 __all__ = [
     "ACCOUNTANTS",
+    "accounting_note",
     "BudgetExhaustedError",
     "PrivacyBudget",
     "calibrate_sigma",
@@ -51,7 +61,9 @@ ACCOUNTANTS = {"prv": CachedRDPDomainPRVAccountant, "rdp": RDPAccountant, "pld":
 MAX_EPSILON = 100.0  # larger epsilons are reported as inf and refused as targets (see the module docstring)
 MIN_SIGMA = 1e-2  # calibration searches sigma in [MIN_SIGMA, MAX_SIGMA]
 MAX_SIGMA = 1e4
-MAX_STEPS = 10**7  # steps_allowed searches up to this many steps
+MAX_STEPS = 10**7  # longer runs are refused; steps_allowed searches up to this many steps
+PRV_MAX_POINTS = 1_000_000  # a larger PRV grid: PLD answers (see the module docstring)
+PRV_MIN_EPSILON = 0.1  # a smaller PRV epsilon is mostly its additive error 0.01: PLD answers
 CALIBRATION_REL_TOL = 0.005  # calibrated epsilon lands in [(1 - tol) * target, target]
 
 
@@ -93,6 +105,9 @@ def check_delta(delta: Any, dataset_size: int, *, allow_large: bool = False, uni
     delta >= 1/N does not rule out leaking whole units; it is refused unless ``allow_large`` (the caller's explicit
     acceptance; ``accept`` names how, in the caller's terms)."""
     delta = _check_delta(delta)
+    if isinstance(dataset_size, bool) or not isinstance(dataset_size, numbers.Integral) or dataset_size < 1:
+        raise ValueError(f"dataset size (N, the number of training {unit}s) must be an integer >= 1, "
+                         f"got {dataset_size!r}")
     if delta * dataset_size >= 1 and not allow_large:
         suggest = 10.0 ** math.floor(math.log10(0.1 / dataset_size))
         raise ValueError(
@@ -130,26 +145,78 @@ def _check_not_vacuous(delta: float, sample_rate: float, steps: int, accountant:
 def _check_steps(name: str, steps: Any) -> int:
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {steps!r}")
+    if steps > MAX_STEPS:
+        raise ValueError(f"{name}={steps} is above {MAX_STEPS:.0e}, beyond the accountants' tested range; "
+                         "train for fewer, larger steps (a higher sample rate)")
     return int(steps)
 
 
 # ----------------------------------------------------------------------------------------------- epsilon
 
 
-@lru_cache(maxsize=4096)
-def _epsilon(sigma: float, sample_rate: float, steps: int, delta: float, accountant: str) -> float:
-    """:func:`epsilon` on validated arguments; memoised because a PRV call takes ~0.3 s."""
-    if steps == 0:
-        return 0.0
+def _run(accountant: str, sigma: float, sample_rate: float, steps: int, delta: float) -> float:
+    """One accountant's epsilon for ``steps`` steps (``inf`` above :data:`MAX_EPSILON`); a negative one (only a delta
+    above the delta at epsilon 0 gives one) raises :func:`vacuous_delta_error`."""
     acc = ACCOUNTANTS[accountant]()
     acc.history = [(sigma, sample_rate, steps)]  # `steps` self-compositions of one subsampled Gaussian
+    eps = float(acc.get_epsilon(delta))
+    if eps < 0:
+        raise vacuous_delta_error(delta, accountant, f"epsilon {eps:.3g}")
+    return eps if math.isfinite(eps) and eps <= MAX_EPSILON else math.inf
+
+
+def _prv(sigma: float, sample_rate: float, steps: int, delta: float) -> tuple[float, str | None]:
+    """PRV's epsilon, or ``(nan, why)`` where PRV cannot answer fast (grid too large: checked first, in
+    milliseconds) or accurately (an epsilon mostly made of its additive error)."""
+    points = grid_points(sigma, sample_rate, steps, delta)
+    if points > PRV_MAX_POINTS:
+        return math.nan, (f"prv would discretise on {points:.2g} points, more than {PRV_MAX_POINTS:.0e} (its time "
+                          "and memory grow with them: 48 s at 4.8e7)")
+    eps = _run("prv", sigma, sample_rate, steps, delta)
+    if eps < PRV_MIN_EPSILON:
+        return math.nan, f"prv's {eps:.4g} is below {PRV_MIN_EPSILON:g}, where its additive error 0.01 dominates it"
+    return eps, None
+
+
+@lru_cache(maxsize=4096)
+def _answer(sigma: float, sample_rate: float, steps: int, delta: float, accountant: str) -> tuple[float, str | None]:
+    """``(epsilon, note)`` on validated arguments (the rules of the module docstring); ``note`` is None where
+    ``accountant`` itself answered a finite epsilon.  Memoised: a PRV call takes ~0.3 s."""
+    if steps == 0:
+        return 0.0, None
     with warnings.catch_warnings():
         # PRV sizes its grid with an internal RDP bound, whose "optimal order is the largest alpha" warning says
         # nothing about the PRV result; numpy also warns about log(0) in the PRV density when q = 1.
         warnings.filterwarnings("ignore", message="Optimal order is the", category=UserWarning)
         warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"opacus\.accountants\.analysis\.prv")
-        eps = float(acc.get_epsilon(delta))
-    return eps if math.isfinite(eps) and eps <= MAX_EPSILON else math.inf
+        try:
+            return _rules(sigma, sample_rate, steps, delta, accountant)
+        except RuntimeError as e:  # PRV's and PLD's "Cannot compute epsilon": delta above the delta at epsilon 0
+            raise vacuous_delta_error(delta, accountant, str(e)) from e
+
+
+def _rules(sigma: float, sample_rate: float, steps: int, delta: float, accountant: str) -> tuple[float, str | None]:
+    """:func:`_answer`'s rules: ``inf`` where the lower bound exceeds :data:`MAX_EPSILON`; PLD where PRV cannot
+    answer; else ``accountant`` itself."""
+    above = f"above {MAX_EPSILON:g}, where a guarantee certifies nothing and the accountants are not trusted"
+    bound = epsilon_lower_bound(sigma, sample_rate, steps, delta)
+    if bound > MAX_EPSILON:
+        return math.inf, f"epsilon is at least {bound:.4g} (a distinguishing test's lower bound), {above}"
+    why = None
+    if accountant == "prv":
+        eps, why = _prv(sigma, sample_rate, steps, delta)
+    if accountant != "prv" or why is not None:
+        accountant = "pld" if why is not None else accountant
+        eps = _run(accountant, sigma, sample_rate, steps, delta)
+    note = None if why is None else f"answered by the pld accountant: {why}"
+    if math.isinf(eps):
+        note = f"{note}; its epsilon is {above}" if note else f"the {accountant} accountant's epsilon is {above}"
+    return eps, note
+
+
+def _epsilon(sigma: float, sample_rate: float, steps: int, delta: float, accountant: str) -> float:
+    """:func:`epsilon` on validated arguments."""
+    return _answer(sigma, sample_rate, steps, delta, accountant)[0]
 
 
 def epsilon(sigma: float, sample_rate: float, steps: int, delta: float, accountant: str = "prv") -> float:
@@ -159,6 +226,7 @@ def epsilon(sigma: float, sample_rate: float, steps: int, delta: float, accounta
     their default settings, or dp-accounting's PLD (``"pld"``). Results are memoised per argument tuple, so repeated
     calls are free.  Above :data:`MAX_EPSILON` the result is ``inf`` (no meaningful guarantee).  A ``delta`` at or
     above :func:`vacuous_delta_bound` raises ``ValueError`` (epsilon 0 holds at any sigma) before any accountant call.
+    Where PRV cannot answer fast or accurately PLD answers instead: :func:`accounting_note` says when and why.
     """
     args = (_check_positive("sigma", sigma), _check_sample_rate(sample_rate), _check_steps("steps", steps),
             _check_delta(delta), _check_accountant(accountant))
@@ -167,6 +235,13 @@ def epsilon(sigma: float, sample_rate: float, steps: int, delta: float, accounta
 
 
 # ----------------------------------------------------------------------------------------------- calibration
+
+
+def accounting_note(sigma: float, sample_rate: float, steps: int, delta: float, accountant: str = "prv") -> str | None:
+    """Why :func:`epsilon` with these arguments is not simply ``accountant``'s finite epsilon: another accountant
+    answered (and why), or the answer is ``inf`` (and why); None otherwise.  Free after the :func:`epsilon` call."""
+    epsilon(sigma, sample_rate, steps, delta, accountant)
+    return _answer(float(sigma), float(sample_rate), int(steps), float(delta), accountant)[1]
 
 
 def calibrate_sigma(
@@ -344,7 +419,9 @@ class PrivacyBudget:
         self.record_step(n)
 
     def report(self) -> dict[str, Any]:
-        """Plain summary for logs and result files."""
+        """Plain summary for logs and result files; ``accountant_note`` (only where there is one): which accountant
+        answered instead of ``accountant`` and why, or why the epsilon is ``inf`` (:func:`accounting_note`)."""
+        note = _answer(self.noise_multiplier, self.sample_rate, self.steps_taken, self.delta, self.accountant)[1]
         return {
             "epsilon": self.epsilon,
             "delta": self.delta,
@@ -353,7 +430,7 @@ class PrivacyBudget:
             "steps": self.steps_taken,
             "accountant": self.accountant,
             "target_epsilon": self.target_epsilon,
-        }
+        } | ({"accountant_note": note} if note else {})
 
     _MECHANISM = ("noise_multiplier", "sample_rate")
 
