@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 from typing import Mapping, Sequence
 
-__all__ = ["option", "add_config_flags", "csv_list", "yaml_mapping"]
+__all__ = ["option", "add_config_flags", "csv_list", "yaml_mapping", "integer", "finite_float"]
+
+INT_LIMIT = 2**63  # an integer flag's value lies in (-2^63, 2^63): a seed, a tensor size, a step count
 
 
 def option(default, help: str, *, flag: str | None = None, choices: tuple | None = None, factory=None):
@@ -25,8 +28,35 @@ def option(default, help: str, *, flag: str | None = None, choices: tuple | None
     return dataclasses.field(default=default, metadata=meta)
 
 
+def integer(text: str) -> int:
+    """An integer flag's value (argparse ``type``): digits only, below :data:`INT_LIMIT` in size."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if abs(value) >= INT_LIMIT:
+        raise argparse.ArgumentTypeError(f"{text} is too large (at most {INT_LIMIT - 1})")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """A number flag's value (argparse ``type``): a finite float (``nan`` and ``inf`` refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
 def csv_list(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
+    """A comma-separated flag's items (argparse ``type``); an empty list is refused (it would select nothing, or,
+    for a filter, silently everything)."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+    return items
 
 
 def yaml_mapping(text: str) -> dict:
@@ -39,7 +69,7 @@ def yaml_mapping(text: str) -> dict:
 
 
 def _typed_list(kind: str):
-    item = {"list[int]": int, "list[float]": float}.get(kind.split(" |")[0], str)
+    item = {"list[int]": integer, "list[float]": finite_float}.get(kind.split(" |")[0], str)
     if item is str:
         return csv_list
     return lambda text: [item(t) for t in csv_list(text)]
@@ -66,7 +96,7 @@ def add_config_flags(parser, cls, only: Sequence[str] | None = None, defaults: M
         elif kind.startswith("dict"):
             kw["type"] = yaml_mapping
         else:
-            kw["type"] = int if kind.startswith("int") else float if kind.startswith("float") else str
+            kw["type"] = integer if kind.startswith("int") else finite_float if kind.startswith("float") else str
             if meta.get("choices"):
                 kw["choices"] = list(meta["choices"])
         parser.add_argument(flag, **kw)

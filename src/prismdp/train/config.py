@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,9 @@ class TrainConfig:
         for f in dataclasses.fields(self):  # strict booleans: the string "no" (quoted in YAML) is not False
             if str(f.type) == "bool" and not isinstance(getattr(self, f.name), bool):
                 bad(f.name, f"must be true or false (unquoted in YAML), got {getattr(self, f.name)!r}")
+            v = getattr(self, f.name)  # numbers: finite (YAML's .nan and .inf), integers within int64
+            if isinstance(v, float) and not math.isfinite(v) or isinstance(v, int) and abs(v) >= 2**63:
+                bad(f.name, f"must be a finite number of reasonable size, got {v!r}")
 
         from ..data.tasks import TASKS, expand_eval_tasks  # the task registry (imports torch: not at parse time)
         from ..eval.answers import AQUA_RULES
@@ -196,6 +200,8 @@ class TrainConfig:
             v = getattr(self, key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 bad(key, f"must be a positive integer or null, got {v!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            bad("seed", f"must be an integer >= 0, got {self.seed!r}")
         if isinstance(self.glue8_per_task, bool) or not isinstance(self.glue8_per_task, int) or self.glue8_per_task < 1:
             bad("glue8_per_task", f"must be a positive integer, got {self.glue8_per_task!r}")
         if self.aqua_rule not in AQUA_RULES:
