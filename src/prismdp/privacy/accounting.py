@@ -20,12 +20,12 @@ accountants leave their accurate range there (PRV's grid overflows to ``ln(max d
 calibrating for them took a minute).  :func:`epsilon` reports them as ``inf``; :func:`calibrate_sigma` refuses such a
 target at once.
 
-Which accountant answers (docs/accounting.md): before any accountant runs, :func:`.lower_bound.epsilon_lower_bound`
-(milliseconds) may prove epsilon above :data:`MAX_EPSILON`: the answer is then ``inf`` at once (issue 42: PRV tried to
-allocate 136 GiB at sigma 0.01).  PRV answers only where its grid has at most :data:`PRV_MAX_POINTS` points (about a
-second and 150 MB; a million steps at q = 0.0064 needed 48 million points and 48 s) and its epsilon is at least
-:data:`PRV_MIN_EPSILON` (its additive error 0.01 is then at most a tenth of it); elsewhere PLD answers instead, and
-:func:`accounting_note` (``privacy.json``'s ``accountant_note``, ``prismdp epsilon``'s stderr line) says so and why.
+Which accountant answers (docs/privacy.md, "Accountants"): before any accountant runs,
+:func:`.lower_bound.epsilon_lower_bound` may prove epsilon above :data:`MAX_EPSILON`: the answer is then ``inf`` at
+once, without allocating anything.  PRV answers only where its grid has at most :data:`PRV_MAX_POINTS` points (its
+time and memory grow with them) and its epsilon is at least :data:`PRV_MIN_EPSILON` (its additive error 0.01 is then
+at most a tenth of it); elsewhere PLD answers instead, and :func:`accounting_note` (``privacy.json``'s
+``accountant_note``, ``prismdp epsilon``'s stderr line) says so and why.
 Step counts above :data:`MAX_STEPS` are refused.
 """
 
@@ -167,11 +167,11 @@ def _run(accountant: str, sigma: float, sample_rate: float, steps: int, delta: f
 
 def _prv(sigma: float, sample_rate: float, steps: int, delta: float) -> tuple[float, str | None]:
     """PRV's epsilon, or ``(nan, why)`` where PRV cannot answer fast (grid too large: checked first, in
-    milliseconds) or accurately (an epsilon mostly made of its additive error)."""
+    allocating) or accurately (an epsilon mostly made of its additive error)."""
     points = grid_points(sigma, sample_rate, steps, delta)
     if points > PRV_MAX_POINTS:
         return math.nan, (f"prv would discretise on {points:.2g} points, more than {PRV_MAX_POINTS:.0e} (its time "
-                          "and memory grow with them: 48 s at 4.8e7)")
+                          "and memory grow with them)")
     eps = _run("prv", sigma, sample_rate, steps, delta)
     if eps < PRV_MIN_EPSILON:
         return math.nan, f"prv's {eps:.4g} is below {PRV_MIN_EPSILON:g}, where its additive error 0.01 dominates it"
@@ -181,7 +181,7 @@ def _prv(sigma: float, sample_rate: float, steps: int, delta: float) -> tuple[fl
 @lru_cache(maxsize=4096)
 def _answer(sigma: float, sample_rate: float, steps: int, delta: float, accountant: str) -> tuple[float, str | None]:
     """``(epsilon, note)`` on validated arguments (the rules of the module docstring); ``note`` is None where
-    ``accountant`` itself answered a finite epsilon.  Memoised: a PRV call takes ~0.3 s."""
+    ``accountant`` itself answered a finite epsilon.  Memoised."""
     if steps == 0:
         return 0.0, None
     with warnings.catch_warnings():

@@ -13,7 +13,7 @@ Chernoff's ``exp(-T KL(k/T || a))``, ``a`` the one-step tail, all in logs, so no
 ``P(S)`` is computed exactly.  Every accountant
 returns an upper bound on the same mechanism's epsilon, so each must answer at least this
 (tests/test_privacy_properties.py), and where this bound already exceeds the largest trusted epsilon the answer is
-``inf`` without running an accountant (a few milliseconds, any sigma: the 136 GiB PRV grid of issue 42 at sigma 0.01).
+``inf`` without running an accountant (issue 42: PRV's grid at sigma 0.01 would have needed 136 GiB).
 """
 
 from __future__ import annotations

@@ -49,8 +49,8 @@ def _extent(sigma: float, q: float, steps: int, eps_error: float, delta_error: f
 
 def grid_points(sigma: float, sample_rate: float, steps: int, delta: float) -> float:
     """How many points ``PRVAccountant().get_epsilon(delta)`` (default errors: 0.01, delta / 1000) discretises
-    ``steps`` steps on, found without allocating them (milliseconds): its time and memory grow linearly with it (a
-    few float64 and complex128 arrays of that length).  ``inf`` where the grid's end overflows (tiny sigma)."""
+    ``steps`` steps on, found without allocating them: its time and memory grow linearly with it (a few float64
+    and complex128 arrays of that length).  ``inf`` where the grid's end overflows (tiny sigma)."""
     L, mesh = _extent(sigma, sample_rate, steps, 0.01, delta / 1000)
     return 2 * L / mesh
 
