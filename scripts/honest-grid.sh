@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 45 item 2: what honest tuning does to the PRISM vs DP-AdamW comparison, on the benchmark's SST-2 and MNLI
 # settings, total epsilon 3 and 8, seeds 42-44, paired:
+#   (b) first (short), then (a).
 #   (a) honest: configs/cpu-minilm-honest.yaml, every cell a `prismdp tune` over the benchmark's four rates, paid for
 #       inside the cell's epsilon (docs/tuning.md; 24 cells, 96 runs);
 #   (b) no tuning: configs/cpu-minilm-notune.yaml, the README's starting rates, the whole budget in one run (24 runs);
@@ -25,6 +26,7 @@ phase() {  # phase NAME CONFIG OUTPUT: two processes on the grid, wait for both
   done
   wait
 }
-phase honest configs/cpu-minilm-honest.yaml "$OUT"
+# arm (b) first: 24 runs, a complete arm within a few hours; then arm (a)'s 96
 phase notune configs/cpu-minilm-notune.yaml "$OUT/notune"
+phase honest configs/cpu-minilm-honest.yaml "$OUT"
 echo "$(date -u +%FT%TZ) done" | tee -a "$OUT/logs/phases.log"
