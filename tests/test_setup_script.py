@@ -1,6 +1,6 @@
 """scripts/setup.sh's choice of torch, run against a fake Python that records its arguments (nothing is installed):
 CI's default is exactly the CPU pin; ``PRISMDP_TORCH_SPEC`` picks another build; ``PRISMDP_KEEP_TORCH=1`` keeps the
-torch already there (README, "On a GPU")."""
+torch already there (docs/gpu.md)."""
 
 import os
 import shutil

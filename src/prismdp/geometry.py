@@ -60,10 +60,9 @@ def default_qr(device: torch.device, dtype: torch.dtype) -> str:
     (``torch.linalg.qr``) otherwise: on the CPU, and in float64, whose Householder Q is orthonormal to ~1e-15 where
     CholeskyQR's shift leaves ~1e-9.
 
-    On a GPU ``torch.linalg.qr`` of a (k, m, r) batch runs cuSOLVER's unblocked kernels once per matrix: for the
-    Llama-3.2-1B shape's 80 LoRA modules ~5,000 kernel launches and 32 ms of kernel time per step on an H200
-    (``bench/results/gpu-h200``), where CholeskyQR is a few batched products, r x r factorisations and triangular
-    solves (``bench.gpu_qr``: 0.5 ms against 1.4-2.7 ms per call).  On the CPU LAPACK's Householder QR is faster.
+    On a GPU ``torch.linalg.qr`` of a (k, m, r) batch runs cuSOLVER's unblocked kernels once per matrix, where
+    CholeskyQR is a few batched products, r x r factorisations and triangular solves; on the CPU LAPACK's Householder
+    QR is faster (measured: docs/gpu.md, ``bench.gpu_qr``).
     """
     return "cholesky" if device.type == "cuda" and dtype != torch.float64 else "householder"
 

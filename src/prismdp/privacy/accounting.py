@@ -5,7 +5,7 @@ Every DP step of the library is the same mechanism: noise multiplier ``sigma``, 
 a subsampled Gaussian with sensitivity C. A run of ``steps`` such steps is written into an Opacus accountant's
 history as the single entry ``(sigma, q, steps)``, so composition costs one accountant call, not ``steps``.
 
-- :func:`epsilon` -- epsilon spent by ``steps`` steps at ``delta`` (memoised: PRV costs ~0.3 s per call).
+- :func:`epsilon` -- epsilon spent by ``steps`` steps at ``delta`` (memoised: an accountant call is slow).
 - :func:`calibrate_sigma` -- the smallest sigma whose epsilon stays at or below a target, for the exact ``steps``.
 - :class:`PrivacyBudget` -- budget tracking during training; refuses a step *before* it would overspend.  Its
   per-step check costs no accountant call (epsilon grows with the steps, so a verified step count covers every
@@ -238,7 +238,7 @@ def calibrate_sigma(
 
 def report_steps(total: int, points: int = 8) -> set[int]:
     """The steps at which a run of ``total`` steps shows its spent epsilon: ``points`` evenly spaced ones, the last
-    included (each costs one accountant call: ~50-150 ms for PRV on a CPU, so 8 stay under a second)."""
+    included (each costs one accountant call; its time: docs/performance.md)."""
     total = _check_steps("total", total)
     return {math.ceil(total * i / points) for i in range(1, points + 1)} - {0}
 
