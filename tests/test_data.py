@@ -561,6 +561,21 @@ def test_encode_classification_pairs_and_truncation(bert_tokenizer):
     assert batch["attention_mask"][0].sum() == len(f[0]["input_ids"])
 
 
+def test_decoder_pairs_are_separated_encoder_pairs_unchanged(lm_tokenizer, bert_tokenizer):
+    """SmolLM2's tokenizer marks no boundary in a pair (its template is "$A $B"): the model must read the two sentences
+    apart (a newline between them), also when the longer one is truncated; BERT's pair keeps its own template."""
+    a, b = "It doesn't fit the company's strategy .", "The business does not fit our strategy ."
+    enc = encode_classification([Example(a, b, 1), Example(a * 8, b, 0)], lm_tokenizer, 32, num_labels=2)
+    assert lm_tokenizer.decode(enc.features[0]["input_ids"]) == a + "\n" + b
+    cut = lm_tokenizer.decode(enc.features[1]["input_ids"])
+    assert enc.n_truncated == 1 and len(enc.features[1]["input_ids"]) == 32
+    assert cut.endswith("\n" + b)  # longest_first cuts the long premise, never the separator or the hypothesis
+    f = encode_classification([Example(a, b, 1)], bert_tokenizer, 64, num_labels=2).features[0]
+    assert f["input_ids"] == bert_tokenizer(a, b)["input_ids"]
+    single = encode_classification([Example(a, None, 1)], lm_tokenizer, 64, num_labels=2).features[0]
+    assert lm_tokenizer.decode(single["input_ids"]) == a
+
+
 def test_blank_sentences_are_kept_and_counted(bert_tokenizer):
     exs = [Example("fine", None, 1), Example("", None, 0), Example(" \t ", None, 1), Example("ok", None, 0)]
     enc = encode_classification(exs, bert_tokenizer, max_length=16, num_labels=2)
