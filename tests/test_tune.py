@@ -306,3 +306,12 @@ def test_the_score_noise_is_not_seeded_by_the_tune_seed(tmp_path):
         (folder / "summary.json").write_text(json.dumps({"eval": {"val": {"accuracy": 0.5, "n": 10}}}))
         scores.append(_score(plan, folder, 1))
     assert scores[0] != scores[1]
+
+
+def test_a_fixed_count_past_the_step_cap_is_refused_before_any_accountant():
+    """fixed:K composes K * steps steps: past MAX_STEPS (10^7) it is refused at once, like one run that long (Opacus'
+    PRV asked for 1.5 TiB here before the check)."""
+    with pytest.raises(ValueError, match="compose 20000000 steps"):
+        tuning_epsilon(1.0, 0.01, 2, 1e-5, TrialCount.parse("fixed:10000000"), 10.0, "prv")
+    with pytest.raises(ValueError, match="whole number of trials"):
+        TrialCount.parse("fixed:inf")  # was an OverflowError (a traceback from the CLI)

@@ -116,28 +116,28 @@ How much it costs, and what the guarantee means: docs/tuning.md."""
 def _add_tune(sub) -> None:
     import dataclasses
 
-    from .flags import add_config_flags
+    from .flags import add_config_flags, finite_float, finite_floats, integer, integers
     from .train.config import TrainConfig
 
     p = sub.add_parser("tune", help="tune hyperparameters inside the privacy budget (random search, random count)",
                        argument_default=argparse.SUPPRESS, description=_TUNE_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML or JSON file with the same keys as the train flags")
-    p.add_argument("--lrs", type=_floats, required=True, help="learning-rate candidates, e.g. 1e-4,3e-4,1e-3")
+    p.add_argument("--lrs", type=finite_floats, required=True, help="learning-rate candidates, e.g. 1e-4,3e-4,1e-3")
     p.add_argument("--trials", required=True,
                    help="the number of trials K: drawn from geometric:MEAN, negative-binomial:SHAPE:MEAN, "
                         "logarithmic:MEAN (K >= 1) or poisson:MEAN (K = 0 possible: nothing released), e.g. "
                         "geometric:6; or fixed:K (random draws) / grid (every combination once), a fixed K accounted "
                         "by composing the K trials (cheaper for a few short trials: docs/tuning.md)")
-    p.add_argument("--epsilon", type=float, help="target epsilon of the whole tuning (default 3)")
-    p.add_argument("--max-grad-norms", dest="max_grad_norms", type=_floats, default=[],
+    p.add_argument("--epsilon", type=finite_float, help="target epsilon of the whole tuning (default 3)")
+    p.add_argument("--max-grad-norms", dest="max_grad_norms", type=finite_floats, default=[],
                    help="clipping-bound candidates (default: --max-grad-norm for every trial)")
-    p.add_argument("--ranks", type=lambda t: [int(v) for v in t.split(",")], default=[],
+    p.add_argument("--ranks", type=integers, default=[],
                    help="LoRA-rank candidates (default: --rank for every trial)")
-    p.add_argument("--score-noise", dest="score_noise", type=float, default=10.0,
+    p.add_argument("--score-noise", dest="score_noise", type=finite_float, default=10.0,
                    help="noise multiplier of each trial's validation count of correct answers (sensitivity 1; "
                         "default 10: +-1 point of accuracy on 1000 validation examples)")
-    p.add_argument("--tune-seed", dest="tune_seed", type=int, default=None,
+    p.add_argument("--tune-seed", dest="tune_seed", type=integer, default=None,
                    help="seed the draws of K and the hyperparameters (reproducible, stated in privacy.json); "
                         "default: OS randomness. The score noise always comes from OS randomness")
     p.add_argument("--resume", action="store_true", help="continue the tuning in --output (same K and trials)")
@@ -147,13 +147,6 @@ def _add_tune(sub) -> None:
     skip = {"lr", "sigma", "epsilon"}
     add_config_flags(p, TrainConfig, only=[f.name for f in dataclasses.fields(TrainConfig)
                                            if f.name not in skip and "help" in f.metadata])
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
 def _add_diagnose(sub) -> None:
@@ -324,7 +317,7 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from .experiment.honest import Space, calibrate, parse_trials, run_tuning
+    from .experiment.honest import Space, calibrate, check_tune_seed, parse_trials, run_tuning
     from .train.config import TrainConfig, load_config_file
 
     own = ("command", "config", "lrs", "trials", "max_grad_norms", "ranks", "score_noise", "tune_seed", "resume",
@@ -338,6 +331,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     cfg = TrainConfig.from_dict(values, source=args.config if getattr(args, "config", None) else "flags")
     space = Space(tuple(args.lrs), tuple(args.max_grad_norms), tuple(args.ranks))
     count, grid = parse_trials(args.trials, space)
+    check_tune_seed(args.tune_seed)
     if getattr(args, "dry_run", False):
         c = calibrate(cfg, count, score_noise=args.score_noise)
         print(f"{'grid of ' if grid else ''}{count} trials: per-trial noise multiplier {c.noise_multiplier:.4f} "

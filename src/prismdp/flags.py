@@ -14,7 +14,8 @@ import math
 import re
 from typing import Mapping, Sequence
 
-__all__ = ["option", "add_config_flags", "csv_list", "yaml_mapping", "integer", "finite_float"]
+__all__ = ["option", "add_config_flags", "csv_list", "yaml_mapping", "integer", "finite_float", "integers",
+           "finite_floats"]
 
 INT_LIMIT = 2**63  # an integer flag's value lies in (-2^63, 2^63): a seed, a tensor size, a step count
 
@@ -59,6 +60,16 @@ def csv_list(text: str) -> list[str]:
     return items
 
 
+def integers(text: str) -> list[int]:
+    """A comma-separated list of :func:`integer` values (argparse ``type``); an empty list is refused."""
+    return [integer(t) for t in csv_list(text)]
+
+
+def finite_floats(text: str) -> list[float]:
+    """A comma-separated list of :func:`finite_float` values (argparse ``type``); an empty list is refused."""
+    return [finite_float(t) for t in csv_list(text)]
+
+
 def yaml_mapping(text: str) -> dict:
     import yaml
 
@@ -69,10 +80,7 @@ def yaml_mapping(text: str) -> dict:
 
 
 def _typed_list(kind: str):
-    item = {"list[int]": integer, "list[float]": finite_float}.get(kind.split(" |")[0], str)
-    if item is str:
-        return csv_list
-    return lambda text: [item(t) for t in csv_list(text)]
+    return {"list[int]": integers, "list[float]": finite_floats}.get(kind.split(" |")[0], csv_list)
 
 
 def add_config_flags(parser, cls, only: Sequence[str] | None = None, defaults: Mapping | None = None) -> None:

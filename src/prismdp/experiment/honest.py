@@ -42,8 +42,8 @@ from ..privacy import check_delta
 from ..privacy.tuning import TrialCount, calibrate_tuning_sigma, trial_accountant, trial_epsilon, tuning_epsilon
 from ..train.config import ConfigError, TrainConfig
 
-__all__ = ["Space", "TunePlan", "TuneResult", "Calibration", "calibrate", "parse_trials", "plan_tuning", "run_tuning",
-           "PLAN_FILE"]
+__all__ = ["Space", "TunePlan", "TuneResult", "Calibration", "calibrate", "check_tune_seed", "parse_trials",
+           "plan_tuning", "run_tuning", "PLAN_FILE"]
 
 PLAN_FILE = "tune.json"
 SCORE_FILE = "score.json"
@@ -142,6 +142,12 @@ def _fail(msg: str):
     raise ConfigError(f"prismdp tune: {msg}")
 
 
+def check_tune_seed(tune_seed) -> None:
+    """``--tune-seed``: None (OS randomness) or an integer >= 0 (numpy's seeds)."""
+    if tune_seed is not None and (isinstance(tune_seed, bool) or not isinstance(tune_seed, int) or tune_seed < 0):
+        _fail(f"--tune-seed must be an integer >= 0 (or left out: OS randomness), got {tune_seed!r}")
+
+
 def _check_base(cfg: TrainConfig) -> None:
     if not cfg.dp:
         _fail("--no-dp: tuning inside a privacy budget needs a private run; tune a non-private run with prismdp "
@@ -217,6 +223,7 @@ def plan_tuning(cfg: TrainConfig, space: Space, count: TrialCount, *, score_nois
 
     ``tune_seed``: seed of the draws (reproducible; stated in the plan); None draws them from OS randomness.
     ``grid``: every combination of the space once (``count`` must be ``fixed`` with that many trials)."""
+    check_tune_seed(tune_seed)
     if grid and (count.random or int(count.mean) != len(space.combinations())):
         _fail(f"grid: the count must be fixed:{len(space.combinations())} (every combination once), got {count}")
     c = calibrate(cfg, count, score_noise=score_noise, dataset=dataset)

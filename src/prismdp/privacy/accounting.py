@@ -179,11 +179,13 @@ def _prv(sigma: float, sample_rate: float, steps: int, delta: float) -> tuple[fl
 
 
 @lru_cache(maxsize=4096)
-def _answer(sigma: float, sample_rate: float, steps: int, delta: float, accountant: str) -> tuple[float, str | None]:
-    """``(epsilon, note)`` on validated arguments (the rules of the module docstring); ``note`` is None where
-    ``accountant`` itself answered a finite epsilon.  Memoised."""
+def _answer(sigma: float, sample_rate: float, steps: int, delta: float,
+            accountant: str) -> tuple[float, str | None, str]:
+    """``(epsilon, note, answered_by)`` on validated arguments (the rules of the module docstring); ``note`` is None
+    where ``accountant`` itself answered a finite epsilon; ``answered_by``: the accountant whose epsilon it is
+    (``pld`` where it answers for ``prv``).  Memoised."""
     if steps == 0:
-        return 0.0, None
+        return 0.0, None, accountant
     with warnings.catch_warnings():
         # PRV sizes its grid with an internal RDP bound, whose "optimal order is the largest alpha" warning says
         # nothing about the PRV result; numpy also warns about log(0) in the PRV density when q = 1.
@@ -195,13 +197,14 @@ def _answer(sigma: float, sample_rate: float, steps: int, delta: float, accounta
             raise vacuous_delta_error(delta, accountant, str(e)) from e
 
 
-def _rules(sigma: float, sample_rate: float, steps: int, delta: float, accountant: str) -> tuple[float, str | None]:
+def _rules(sigma: float, sample_rate: float, steps: int, delta: float,
+           accountant: str) -> tuple[float, str | None, str]:
     """:func:`_answer`'s rules: ``inf`` where the lower bound exceeds :data:`MAX_EPSILON`; PLD where PRV cannot
     answer; else ``accountant`` itself."""
     above = f"above {MAX_EPSILON:g}, where a guarantee certifies nothing and the accountants are not trusted"
     bound = epsilon_lower_bound(sigma, sample_rate, steps, delta)
     if bound > MAX_EPSILON:
-        return math.inf, f"epsilon is at least {bound:.4g} (a distinguishing test's lower bound), {above}"
+        return math.inf, f"epsilon is at least {bound:.4g} (a distinguishing test's lower bound), {above}", accountant
     why = None
     if accountant == "prv":
         eps, why = _prv(sigma, sample_rate, steps, delta)
@@ -211,7 +214,7 @@ def _rules(sigma: float, sample_rate: float, steps: int, delta: float, accountan
     note = None if why is None else f"answered by the pld accountant: {why}"
     if math.isinf(eps):
         note = f"{note}; its epsilon is {above}" if note else f"the {accountant} accountant's epsilon is {above}"
-    return eps, note
+    return eps, note, accountant
 
 
 def _epsilon(sigma: float, sample_rate: float, steps: int, delta: float, accountant: str) -> float:
@@ -274,10 +277,12 @@ def calibrate_sigma(
     hi = 1.0
     while eps(hi) > target:  # grow until the target is met
         if hi >= MAX_SIGMA:
+            _, note, used = _answer(hi, q, steps, delta, accountant)  # PLD may have answered for PRV: name it
             raise ValueError(
-                f"target_epsilon={target} is unreachable with the {accountant!r} accountant at delta={delta}, "
-                f"q={q}, steps={steps}: even sigma={hi:g} gives epsilon={eps(hi):.4g}. "
-                "Raise target_epsilon, or lower the sample rate or the number of steps."
+                f"target_epsilon={target} is unreachable with the {used!r} accountant at delta={delta}, "
+                f"q={q}, steps={steps}: even sigma={hi:g} gives epsilon={eps(hi):.4g}"
+                + (f" ({note})" if used != accountant else "")
+                + ". Raise target_epsilon, or lower the sample rate or the number of steps."
             )
         hi = min(2 * hi, MAX_SIGMA)
     lo = hi / 2

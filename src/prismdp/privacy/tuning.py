@@ -37,7 +37,7 @@ import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
-from .accounting import ACCOUNTANTS, MAX_EPSILON
+from .accounting import ACCOUNTANTS, MAX_EPSILON, MAX_STEPS
 
 __all__ = ["FAMILIES", "TrialCount", "tnb_mean", "trial_accountant", "trial_epsilon", "tuning_epsilon",
            "calibrate_tuning_sigma"]
@@ -105,8 +105,8 @@ class TrialCount:
             raise ValueError(f"trial count family must be one of {', '.join(FAMILIES)}, got {family!r}")
         shape = _SHAPES.get(family, shape)
         if family == "fixed":
-            if not (isinstance(mean, (int, float)) and mean >= 1 and int(mean) == mean):
-                raise ValueError(f"fixed:K: K must be a whole number of trials >= 1, got {mean!r}")
+            if not (isinstance(mean, (int, float)) and 1 <= mean <= MAX_STEPS and int(mean) == mean):
+                raise ValueError(f"fixed:K: K must be a whole number of trials in [1, {MAX_STEPS:,}], got {mean!r}")
             return cls(family, float(mean), None)
         if not (isinstance(mean, (int, float)) and math.isfinite(mean)) or mean <= (0 if family == "poisson" else 1):
             low = "> 0" if family == "poisson" else "> 1 (a mean of 1 is a single run: use prismdp train)"
@@ -170,7 +170,11 @@ def _check(sigma: float, q: float, steps: int, delta: float, score_sigma: float 
 def _composed(sigma: float, q: float, steps: int, delta: float, score_sigma: float | None, k: int,
               accountant: str) -> float:
     """``k`` trials composed, by one of prismdp's accountants (:data:`.accounting.ACCOUNTANTS`, their history of
-    ``(sigma, q, steps)`` entries: the score's release is a Gaussian with q = 1)."""
+    ``(sigma, q, steps)`` entries: the score's release is a Gaussian with q = 1); ``k * steps`` above
+    :data:`.accounting.MAX_STEPS` is refused, as for one run."""
+    if k * steps > MAX_STEPS:
+        raise ValueError(f"{k} trials of {steps} steps compose {k * steps} steps, above {MAX_STEPS:,} (beyond the "
+                         "accountants' tested range): fewer trials or steps, or a random count (e.g. geometric:8)")
     acc = ACCOUNTANTS[accountant]()
     acc.history = [(sigma, q, k * steps)] + ([(score_sigma, 1.0, k)] if score_sigma is not None else [])
     with warnings.catch_warnings():  # as prismdp.privacy.accounting: Opacus' warnings that say nothing of the result
