@@ -139,7 +139,7 @@ class TuneResult:
 
 
 def _fail(msg: str):
-    raise ConfigError(f"prismdp tune: {msg}")
+    raise ConfigError(msg)  # the command line adds "prismdp tune: error: "
 
 
 def check_tune_seed(tune_seed) -> None:
