@@ -18,7 +18,9 @@ micro-batches of a size chosen per call:
                       micro-batches as virtual steps (``signal_skip_step``), as ``bench.workloads`` builds it.
 
 prismdp's variants run its engine as ``prismdp train`` does: ``train.step.backward_micro_batches`` over
-``micro_batch_plan``, per-example losses from ``prismdp.losses.causal_lm_losses``, then ``PrivateLoRA.step``.
+``micro_batch_plan``, per-example losses from ``prismdp.losses.causal_lm_losses``, the step's loss read to the host
+where the training loop reads it (:func:`prismdp.train.step.backward_batch`, before the optimizer step), then
+``PrivateLoRA.step``; the loss read is kept as ``Variant.loss`` (the logical batch's mean per-example loss).
 Noise multiplier 1 and clipping norm 1 (the cost does not depend on them).
 
 The variants share one copy of the frozen base weights (``copy.deepcopy`` with a memo of the shared tensors) except
@@ -96,11 +98,12 @@ class Variant:
 
     name: str
     model: nn.Module | None
-    run: Callable[[int], None] | None
+    run: Callable[[int], float | None] | None
     shared: Dict[int, tuple]
+    loss: float | None = None  # the last step's loss as read to the host (prismdp variants)
 
     def step(self, micro: int) -> None:
-        self.run(micro)
+        self.loss = self.run(micro)
 
     def check_shared(self) -> None:
         changed = [i for i, (t, v) in self.shared.items() if t._version != v]
@@ -163,9 +166,12 @@ def _prismdp(model: nn.Module, ids: Tensor, mask: Tensor, spec: Spec) -> Callabl
             raise RuntimeError(f"expected a consecutive micro-batch, got {micro}")
         return causal_lm_losses(model(input_ids=ids[s], attention_mask=mask[s]).logits, ids[s], fused=spec.fused_loss)
 
-    def run(micro: int) -> None:
-        backward_micro_batches(private, micro_batch_plan(range(n), None, micro, group_by_length=False), losses_of)
+    def run(micro: int) -> float:
+        totals = backward_micro_batches(private, micro_batch_plan(range(n), None, micro, group_by_length=False),
+                                        losses_of)
+        loss_sum, count = totals.tolist()  # read where train/step.py's backward_batch reads it: before the step
         private.step()
+        return loss_sum / count
 
     return run
 
