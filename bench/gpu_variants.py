@@ -14,6 +14,8 @@ micro-batches of a size chosen per call:
                       the compiled one became the CUDA default; the same as ``prism`` on the CPU.
 * ``prism-summed-grads`` PRISM with autograd also computing the LoRA factors' batch-summed ``.grad`` in the recorded
                       backward pass (``GradSampler.summed_lora_grads``), as before 2026-11-27.
+* ``prism-tf32-products`` / ``prism-bf16-products`` PRISM with the per-example products in TF32 or bf16 inputs,
+                      float32 accumulation (``GradSampler.products``; on the CPU an exact emulation, slower).
 * ``opacus-dp-adamw`` Opacus' DP-AdamW: ``PrivacyEngine.make_private`` (hooks) around the same PEFT model,
                       micro-batches as virtual steps (``signal_skip_step``), as ``bench.workloads`` builds it.
 
@@ -50,6 +52,7 @@ class Spec:
     qr: str | None = None  # PRISM's thin QR (None: its default for the device)
     fused_loss: bool | None = None  # causal_lm_losses(fused=...) (None: its default for the device)
     summed_grads: bool = False  # GradSampler.summed_lora_grads
+    products: str = "float32"  # GradSampler.products
 
 
 SPECS: Dict[str, Spec] = {
@@ -61,6 +64,8 @@ SPECS: Dict[str, Spec] = {
     "prism-householder": Spec("prismdp", "prism", qr="householder"),
     "prism-eager-loss": Spec("prismdp", "prism", fused_loss=False),
     "prism-summed-grads": Spec("prismdp", "prism", summed_grads=True),
+    "prism-tf32-products": Spec("prismdp", "prism", products="tf32"),
+    "prism-bf16-products": Spec("prismdp", "prism", products="bf16"),
     "opacus-dp-adamw": Spec("opacus"),
 }
 VARIANTS = tuple(SPECS)
@@ -159,6 +164,7 @@ def _prismdp(model: nn.Module, ids: Tensor, mask: Tensor, spec: Spec) -> Callabl
                            **({"qr": spec.qr} if spec.qr else {}))
     if spec.summed_grads:
         private.grad_sampler.summed_lora_grads = True
+    private.grad_sampler.products = spec.products
 
     def losses_of(micro: list[int]) -> Tensor:
         s = slice(micro[0], micro[0] + len(micro))
