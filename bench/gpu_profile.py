@@ -8,7 +8,7 @@ PRISM step) and its tensor reads to the host (:class:`bench.micro.HostSyncCounte
 operators with the most self CUDA time.  Beside the first variant (the PEFT reference), the operators whose CUDA time differs most
 from it: what a variant pays that the reference does not.
 
-    python -m bench.gpu_profile                                   # llama-3.2-1b, micro-batch 32, five variants
+    python -m bench.gpu_profile                                   # llama-3.2-1b, micro-batch 32, six variants
     python -m bench.gpu_profile --shape gemma-3-4b --micro 16 --variants reference,no-dp
     python -m bench.gpu_profile --shape tiny-llama --device cpu   # a check of the script (CPU times only)
 
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
     p.add_argument("--micro", type=int, default=None, help="micro-batch size (default: the shape's largest)")
-    p.add_argument("--variants", default="reference,no-dp,dp-adamw,prism,prism-summed-grads")
+    p.add_argument("--variants", default="reference,no-dp,dp-adamw,prism,prism-tf32-products,prism-secure")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--top", type=int, default=20)

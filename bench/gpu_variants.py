@@ -16,6 +16,8 @@ micro-batches of a size chosen per call:
                       backward pass (``GradSampler.summed_lora_grads``), as before 2026-11-27.
 * ``prism-tf32-products`` / ``prism-bf16-products`` PRISM with the per-example products in TF32 or bf16 inputs,
                       float32 accumulation (``GradSampler.products``; on the CPU an exact emulation, slower).
+* ``prism-secure``    PRISM with ``--secure-noise`` (ChaCha20 on the CPU, the next step's noise drawn in the
+                      background while the step runs; issue 44's target: within 1.05x of ``prism``).
 * ``opacus-dp-adamw`` Opacus' DP-AdamW: ``PrivacyEngine.make_private`` (hooks) around the same PEFT model,
                       micro-batches as virtual steps (``signal_skip_step``), as ``bench.workloads`` builds it.
 
@@ -53,6 +55,7 @@ class Spec:
     fused_loss: bool | None = None  # causal_lm_losses(fused=...) (None: its default for the device)
     summed_grads: bool = False  # GradSampler.summed_lora_grads
     products: str = "float32"  # GradSampler.products
+    secure: bool = False  # make_private(secure_noise=True)
 
 
 SPECS: Dict[str, Spec] = {
@@ -66,6 +69,7 @@ SPECS: Dict[str, Spec] = {
     "prism-summed-grads": Spec("prismdp", "prism", summed_grads=True),
     "prism-tf32-products": Spec("prismdp", "prism", products="tf32"),
     "prism-bf16-products": Spec("prismdp", "prism", products="bf16"),
+    "prism-secure": Spec("prismdp", "prism", secure=True),
     "opacus-dp-adamw": Spec("opacus"),
 }
 VARIANTS = tuple(SPECS)
@@ -160,7 +164,8 @@ def _prismdp(model: nn.Module, ids: Tensor, mask: Tensor, spec: Spec) -> Callabl
 
     n = len(ids)
     private = make_private(model, method=spec.method, lr=LR, dataset_size=10 * n, batch_size=n, steps=10_000,
-                           noise_multiplier=1.0 if spec.dp else None, max_grad_norm=1.0, seed=0,
+                           noise_multiplier=1.0 if spec.dp else None, max_grad_norm=1.0,
+                           **({"secure_noise": True, "seed": None} if spec.secure else {"seed": 0}),
                            **({"qr": spec.qr} if spec.qr else {}))
     if spec.summed_grads:
         private.grad_sampler.summed_lora_grads = True

@@ -174,7 +174,7 @@ def test_variants_share_the_frozen_weights_they_leave_unchanged(monkeypatch):
         v.step(4)
         v.check_shared()
         owns_targets = name in ("prism", "no-dp", "prism-householder", "prism-eager-loss", "prism-summed-grads",
-                                "prism-tf32-products", "prism-bf16-products")
+                                "prism-tf32-products", "prism-bf16-products", "prism-secure")
         assert (id(q) in v.shared) != owns_targets and id(base.model.layers[0].self_attn.o_proj.weight) in v.shared
     assert all(torch.equal(p, before[n]) for n, p in base.named_parameters())
     monkeypatch.setattr(gv, "changes_base", lambda spec: False)  # the planted bug: prism shares its targets
