@@ -119,12 +119,12 @@ def _tf32_matmul(device: torch.device) -> Iterator[None]:
     if device.type != "cuda":
         yield
         return
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # TF32 for float32 matmuls
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
+        torch.set_float32_matmul_precision(before)
 
 
 def product(left: Tensor, right: Tensor, precision: str, out: Tensor | None = None) -> Tensor:
