@@ -9,7 +9,9 @@ warm-up round (host syncs counted in it), then measured rounds, each one logical
 rotated order, CUDA-synchronised; medians over rounds, paired per-round ratios, tokens/s, model-FLOP utilisation
 against the chip's bf16 peak, the step's peak memory above the resident state (:mod:`bench.gpu_report`).
 ``--time-budget`` seconds are shared out between shapes and cells by their expected cost; a cell runs at least
-``--min-rounds`` and at most ``--rounds`` measured rounds, and nothing starts that would overrun the budget.
+``--min-rounds`` and at most ``--rounds`` measured rounds, and nothing starts that would overrun the budget; the
+budget's end is also a hard deadline (:func:`hard_deadline`): work it cannot foresee, building a full-size model on
+the CPU, is cut there and the files written.  A ``--device`` this torch cannot use is refused in one line (exit 2).
 Results are written after every cell (a run cut short leaves its partial results) to ``OUT/gpu-<device>.json``
 and ``.md``.
 
@@ -24,11 +26,14 @@ folder: a check of the script, not a measurement.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import platform
+import signal
 import sys
+import threading
 import tempfile
 import time
 import traceback
@@ -110,6 +115,62 @@ class Clock:
     def share(self, weight: float, total_weight: float) -> float:
         """An absolute deadline for a part of weight ``weight`` out of ``total_weight`` still to run."""
         return self.now() + max(0.0, self.left()) * weight / total_weight
+
+
+class BudgetSpent(BaseException):
+    """The time budget ran out mid-work (building a model, a first step): not an ``Exception``, so that the
+    per-variant handlers let it through to :func:`main`, which records it and writes the files."""
+
+
+@contextlib.contextmanager
+def hard_deadline(clock: Clock):
+    """Raise :class:`BudgetSpent` in the main thread when ``clock``'s budget ends (``SIGALRM``; a no-op where there
+    is none, or off the main thread).  The budget then holds while models are built and first steps run, which the
+    schedule cannot predict: a full-size model built on the CPU is cut at the deadline, not minutes after it."""
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def ring(signum, frame):
+        raise BudgetSpent("time budget of the run spent")
+
+    left = clock.left()
+    if left <= 0:
+        raise BudgetSpent("time budget of the run spent")
+    old = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, left)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """The device to benchmark (default: CUDA where this torch has it, else the CPU); a device this torch cannot
+    use is a ``ValueError`` with one line naming the problem and the fix."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name!r} is not a device ({str(e).splitlines()[0]}); use cuda, cuda:N or cpu")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: this torch ({torch.__version__}) sees no CUDA device; run on a GPU "
+                             "host with a CUDA build of torch, or use --device cpu (a check, not a measurement)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here; use "
+                             f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {name}: the benchmark runs on cuda or cpu")
+    return device
+
+
+def refuse(prog: str, problem: Exception) -> int:
+    """One line on stderr, exit status 2 (as argparse's own errors)."""
+    print(f"{prog}: error: {problem}", file=sys.stderr)
+    return 2
 
 
 def _failure(e: BaseException, micro: int | None) -> dict:
@@ -344,7 +405,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     clock = Clock(args.time_budget)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        return refuse("python -m bench.gpu", e)
     tiny = args.tiny or device.type != "cuda"
     shapes = [SHAPES[s] for s in (args.shapes or (TINY_SHAPES if tiny else GPU_SHAPES))]
     env = environment(device)
@@ -382,10 +446,16 @@ def main(argv=None) -> int:
         print(f"[bench.gpu] {shape.name} on {env['device_name']}: micro-batches {sizes[shape.name]}, "
               f"{deadline - clock.now():.0f} s of {clock.left():.0f} s left", flush=True)
         try:
-            res = run_shape(shape, args.variants, sizes[shape.name], device, clock, deadline, args.rounds,
-                            args.min_rounds, on_cell=on_cell, log=lambda m: print(m, flush=True),
-                            peak=env["peak_tflops"])
+            with hard_deadline(clock):
+                res = run_shape(shape, args.variants, sizes[shape.name], device, clock, deadline, args.rounds,
+                                args.min_rounds, on_cell=on_cell, log=lambda m: print(m, flush=True),
+                                peak=env["peak_tflops"])
             report["shapes"][i] = res
+        except BudgetSpent:  # mid-build or mid-step: what was measured is kept, the rest is skipped
+            report["shapes"][i]["status"] = "cut: time budget"
+            print(f"[bench.gpu] {shape.name}: time budget spent after {clock.now() - t_start:.0f} s; stopped",
+                  flush=True)
+            _free(device)
         except Exception:  # noqa: BLE001 -- recorded; the next shape still runs
             report["shapes"][i].update(status="error", error=traceback.format_exc()[-3000:])
             print(f"[bench.gpu] {shape.name} failed:\n{traceback.format_exc()}", flush=True)
@@ -396,7 +466,7 @@ def main(argv=None) -> int:
             v.get("status") == "error" for v in report["shapes"][i].get("variants", {}).values())
         save()
     skipped = any(c.get("skipped") for r in report["shapes"] for c in r.get("cells", [])) or any(
-        r.get("status", "").startswith("skipped") for r in report["shapes"])
+        r.get("status", "").startswith(("skipped", "cut")) for r in report["shapes"])
     report["status"] = "errors (see the variants)" if failed else ("partial: time budget" if skipped else "complete")
     save()
     print(markdown(report))

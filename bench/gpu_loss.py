@@ -36,7 +36,7 @@ from torch import Tensor
 
 from prismdp.losses import causal_lm_losses
 
-from .gpu import environment, timed_step, write_report
+from .gpu import environment, refuse, resolve_device, timed_step, write_report
 
 SHAPES = {"llama-3.2-1b (32 x 256 x 128,256)": (32, 256, 128256), "gemma-3 (16 x 256 x 262,144)": (16, 256, 262144)}
 TINY = {"tiny (2 x 16 x 1,000)": (2, 16, 1000)}
@@ -128,12 +128,15 @@ def markdown(report: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_loss", description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="default cuda if available, else cpu")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--tiny", action="store_true", help="a small shape (a check of the script)")
     p.add_argument("--output", default="bench/results")
     args = p.parse_args(argv)
-    device = torch.device(args.device)
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        return refuse("python -m bench.gpu_loss", e)
     env = environment(device)
     report = {"command": ["python", "-m", "bench.gpu_loss", *(sys.argv[1:] if argv is None else argv)],
               "environment": env, "shapes": run(TINY if args.tiny else SHAPES, device, 2 if args.tiny else args.reps)}

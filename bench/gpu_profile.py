@@ -2,11 +2,13 @@
 steps of each variant of :mod:`bench.gpu_variants` on one shape and micro-batch size, after warm-up steps.
 
 Per variant: the wall time of the profiled steps (CUDA-synchronised), the summed CUDA kernel time (the GPU busy
-time; wall minus busy is where the GPU waits for the host), the number of kernels launched, and the operators with
-the most self CUDA time.  Beside the first variant (the PEFT reference), the operators whose CUDA time differs most
+time), wall minus kernel time (where the GPU waits for the host; issue 44's target: at most 5 ms per PRISM step), the
+number of kernels launched, the synchronising calls of one unprofiled step (CUDA's sync debug mode; at most 3 per
+PRISM step) and its tensor reads to the host (:class:`bench.micro.HostSyncCounter`, also on the CPU), and the
+operators with the most self CUDA time.  Beside the first variant (the PEFT reference), the operators whose CUDA time differs most
 from it: what a variant pays that the reference does not.
 
-    python -m bench.gpu_profile                                   # llama-3.2-1b, micro-batch 32, five variants
+    python -m bench.gpu_profile                                   # llama-3.2-1b, micro-batch 32, six variants
     python -m bench.gpu_profile --shape gemma-3-4b --micro 16 --variants reference,no-dp
     python -m bench.gpu_profile --shape tiny-llama --device cpu   # a check of the script (CPU times only)
 
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from .gpu import _sync, _write, environment
+from .gpu import _sync, _write, counted_step, environment, refuse, resolve_device
 from .gpu_models import SHAPES, build_base, sanitize
 from .gpu_variants import VARIANTS, batch, build_variant
 
@@ -44,10 +46,14 @@ def _kind(event) -> str | None:
     return "op"
 
 
+HOST_GAP_TARGET_S, CUDA_SYNCS_TARGET = 0.005, 3  # per PRISM step (issue 44)
+
+
 def profile_variant(variant, micro: int, device: torch.device, steps: int, warmup: int) -> dict:
     for _ in range(warmup):
         variant.step(micro)
     _sync(device)
+    _, host_syncs, cuda_syncs = counted_step(lambda: variant.step(micro), device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         start = time.perf_counter()
@@ -70,8 +76,11 @@ def profile_variant(variant, micro: int, device: torch.device, steps: int, warmu
             rec["device_us"] += e.self_device_time_total / steps
             rec["cpu_us"] += e.self_cpu_time_total / steps
     kernels = ops["kernel"].values()
-    return {"wall_s": wall / steps, "device_busy_s": sum(k["device_us"] for k in kernels) / 1e6,
-            "kernels": sum(k["calls"] for k in kernels), "ops": dict(ops["op"]), "kernel_ops": dict(ops["kernel"])}
+    busy = sum(k["device_us"] for k in kernels) / 1e6
+    return {"wall_s": wall / steps, "device_busy_s": busy, "kernels": sum(k["calls"] for k in kernels),
+            "wall_minus_kernel_s": wall / steps - busy if device.type == "cuda" else None,
+            "host_syncs_per_step": host_syncs, "cuda_syncs_per_step": cuda_syncs,
+            "ops": dict(ops["op"]), "kernel_ops": dict(ops["kernel"])}
 
 
 def _table(title: str, rows: dict, key: str, top: int, ref: dict | None = None) -> list[str]:
@@ -97,13 +106,21 @@ def markdown(report: dict, top: int) -> str:
              f"{env['versions']['transformers']}, peft {env['versions']['peft']}.",
              f"Command: `{' '.join(report['command'])}`. Shape {report['shape']}, micro-batch {report['micro']}, "
              f"per logical step: {report['steps']} profiled after {report['warmup']} warm-up.", "",
-             "| variant | wall (s) | GPU busy (s) | busy / wall | kernels |", "|---|---:|---:|---:|---:|"]
+             "Wall minus kernel time (the time the GPU waits for the host; the profiler's own host cost included, so "
+             "an upper bound) and synchronising CUDA calls per step (one unprofiled step under "
+             "`torch.cuda.set_sync_debug_mode`) against issue 44's targets for PRISM: at most "
+             f"{HOST_GAP_TARGET_S * 1e3:.0f} ms and {CUDA_SYNCS_TARGET}. Host reads: tensor reads to the host "
+             "(`bench.micro.HostSyncCounter`, the CPU's proxy for the synchronising calls).", "",
+             "| variant | wall (s) | GPU busy (s) | busy / wall | wall - kernels (ms) | kernels | CUDA syncs | "
+             "host reads |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in report["variants"].items():
         if "error" in r:
-            lines.append(f"| {name} | error: {r['error'][:80]} | | | |")
+            lines.append(f"| {name} | error: {r['error'][:80]} | | | | | | |")
             continue
+        gap, syncs = r.get("wall_minus_kernel_s"), r.get("cuda_syncs_per_step")
         lines.append(f"| {name} | {r['wall_s']:.3f} | {r['device_busy_s']:.3f} | "
-                     f"{r['device_busy_s'] / r['wall_s']:.2f} | {r['kernels']:.0f} |")
+                     f"{r['device_busy_s'] / r['wall_s']:.2f} | {'-' if gap is None else f'{gap * 1e3:.1f}'} | "
+                     f"{r['kernels']:.0f} | {'-' if syncs is None else syncs} | {r.get('host_syncs_per_step', '-')} |")
     names = [n for n, r in report["variants"].items() if "error" not in r]
     key = "device_us" if any(report["variants"][n]["kernels"] for n in names) else "cpu_us"
     for name in names:
@@ -120,18 +137,22 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
     p.add_argument("--micro", type=int, default=None, help="micro-batch size (default: the shape's largest)")
-    p.add_argument("--variants", default="reference,no-dp,dp-adamw,prism,prism-summed-grads")
+    p.add_argument("--variants", default="reference,no-dp,dp-adamw,prism,prism-tf32-products,prism-secure")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--top", type=int, default=20)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="default cuda if available, else cpu")
     p.add_argument("--output", default="bench/results")
     args = p.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         p.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
-    device, shape = torch.device(args.device), SHAPES[args.shape]
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        return refuse("python -m bench.gpu_profile", e)
+    shape = SHAPES[args.shape]
     micro = args.micro or max(m for m in shape.micro_sizes if shape.batch % m == 0)
     env = environment(device)
     report = {"command": ["python", "-m", "bench.gpu_profile", *(sys.argv[1:] if argv is None else argv)],

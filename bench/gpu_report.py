@@ -21,6 +21,9 @@ RATIOS = [  # (name, numerator, denominator, issue 30's target)
     ("prism-householder / prism", "prism-householder", "prism", None),  # what CholeskyQR2 gains on CUDA
     ("prism-eager-loss / prism", "prism-eager-loss", "prism", None),  # what the compiled loss gains on CUDA
     ("prism-summed-grads / prism", "prism-summed-grads", "prism", None),  # what skipping the summed .grad gains
+    ("prism-tf32-products / prism", "prism-tf32-products", "prism", None),  # what TF32 per-example products gain
+    ("prism-bf16-products / prism", "prism-bf16-products", "prism", None),  # what bf16 per-example products gain
+    ("prism-secure / prism", "prism-secure", "prism", 1.05),  # --secure-noise, drawn in the background (issue 44)
 ]
 MEMORY_RATIOS = [("prism / reference", "prism", "reference", 1.10)]
 TOKENS_TARGET = 25_000  # PRISM on the 1B shape on an H200 (issue 30)

@@ -14,11 +14,17 @@ micro-batches of a size chosen per call:
                       the compiled one became the CUDA default; the same as ``prism`` on the CPU.
 * ``prism-summed-grads`` PRISM with autograd also computing the LoRA factors' batch-summed ``.grad`` in the recorded
                       backward pass (``GradSampler.summed_lora_grads``), as before 2026-11-27.
+* ``prism-tf32-products`` / ``prism-bf16-products`` PRISM with the per-example products in TF32 or bf16 inputs,
+                      float32 accumulation (``GradSampler.products``; on the CPU an exact emulation, slower).
+* ``prism-secure``    PRISM with ``--secure-noise`` (ChaCha20 on the CPU, the next step's noise drawn in the
+                      background while the step runs; issue 44's target: within 1.05x of ``prism``).
 * ``opacus-dp-adamw`` Opacus' DP-AdamW: ``PrivacyEngine.make_private`` (hooks) around the same PEFT model,
                       micro-batches as virtual steps (``signal_skip_step``), as ``bench.workloads`` builds it.
 
 prismdp's variants run its engine as ``prismdp train`` does: ``train.step.backward_micro_batches`` over
-``micro_batch_plan``, per-example losses from ``prismdp.losses.causal_lm_losses``, then ``PrivateLoRA.step``.
+``micro_batch_plan``, per-example losses from ``prismdp.losses.causal_lm_losses``, the step's loss read to the host
+where the training loop reads it (:func:`prismdp.train.step.backward_batch`, before the optimizer step), then
+``PrivateLoRA.step``; the loss read is kept as ``Variant.loss`` (the logical batch's mean per-example loss).
 Noise multiplier 1 and clipping norm 1 (the cost does not depend on them).
 
 The variants share one copy of the frozen base weights (``copy.deepcopy`` with a memo of the shared tensors) except
@@ -48,6 +54,8 @@ class Spec:
     qr: str | None = None  # PRISM's thin QR (None: its default for the device)
     fused_loss: bool | None = None  # causal_lm_losses(fused=...) (None: its default for the device)
     summed_grads: bool = False  # GradSampler.summed_lora_grads
+    products: str = "float32"  # GradSampler.products
+    secure: bool = False  # make_private(secure_noise=True)
 
 
 SPECS: Dict[str, Spec] = {
@@ -59,6 +67,9 @@ SPECS: Dict[str, Spec] = {
     "prism-householder": Spec("prismdp", "prism", qr="householder"),
     "prism-eager-loss": Spec("prismdp", "prism", fused_loss=False),
     "prism-summed-grads": Spec("prismdp", "prism", summed_grads=True),
+    "prism-tf32-products": Spec("prismdp", "prism", products="tf32"),
+    "prism-bf16-products": Spec("prismdp", "prism", products="bf16"),
+    "prism-secure": Spec("prismdp", "prism", secure=True),
     "opacus-dp-adamw": Spec("opacus"),
 }
 VARIANTS = tuple(SPECS)
@@ -96,11 +107,12 @@ class Variant:
 
     name: str
     model: nn.Module | None
-    run: Callable[[int], None] | None
+    run: Callable[[int], float | None] | None
     shared: Dict[int, tuple]
+    loss: float | None = None  # the last step's loss as read to the host (prismdp variants)
 
     def step(self, micro: int) -> None:
-        self.run(micro)
+        self.loss = self.run(micro)
 
     def check_shared(self) -> None:
         changed = [i for i, (t, v) in self.shared.items() if t._version != v]
@@ -152,10 +164,12 @@ def _prismdp(model: nn.Module, ids: Tensor, mask: Tensor, spec: Spec) -> Callabl
 
     n = len(ids)
     private = make_private(model, method=spec.method, lr=LR, dataset_size=10 * n, batch_size=n, steps=10_000,
-                           noise_multiplier=1.0 if spec.dp else None, max_grad_norm=1.0, seed=0,
+                           noise_multiplier=1.0 if spec.dp else None, max_grad_norm=1.0,
+                           **({"secure_noise": True, "seed": None} if spec.secure else {"seed": 0}),
                            **({"qr": spec.qr} if spec.qr else {}))
     if spec.summed_grads:
         private.grad_sampler.summed_lora_grads = True
+    private.grad_sampler.products = spec.products
 
     def losses_of(micro: list[int]) -> Tensor:
         s = slice(micro[0], micro[0] + len(micro))
@@ -163,9 +177,12 @@ def _prismdp(model: nn.Module, ids: Tensor, mask: Tensor, spec: Spec) -> Callabl
             raise RuntimeError(f"expected a consecutive micro-batch, got {micro}")
         return causal_lm_losses(model(input_ids=ids[s], attention_mask=mask[s]).logits, ids[s], fused=spec.fused_loss)
 
-    def run(micro: int) -> None:
-        backward_micro_batches(private, micro_batch_plan(range(n), None, micro, group_by_length=False), losses_of)
+    def run(micro: int) -> float:
+        totals = backward_micro_batches(private, micro_batch_plan(range(n), None, micro, group_by_length=False),
+                                        losses_of)
+        loss_sum, count = totals.tolist()  # read where train/step.py's backward_batch reads it: before the step
         private.step()
+        return loss_sum / count
 
     return run
 

@@ -55,7 +55,7 @@ MUTANTS = {
    "return YA - 0.5 * _proj(fr.QA, YA), YB - 0.5 * _proj(fr.QB, YB)",
    "return YA, YB"),
  "M13 same noise every step": ("src/prismdp/privacy/mechanism.py",
-   "draws = [self.noise_source.normal(s.shape, s.dtype, s.device) for s in sums]",
+   "draws = self.noise_source.normals([(s.shape, s.dtype, s.device) for s in sums])",
    "draws = [torch.zeros_like(s).normal_(generator=torch.Generator().manual_seed(0)) for s in sums]"),
  "M14 same Poisson sample every step": ("src/prismdp/privacy/sampling.py",
    "u = torch.rand(owned, generator=self.generator, dtype=torch.float64)",

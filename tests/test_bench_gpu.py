@@ -173,7 +173,8 @@ def test_variants_share_the_frozen_weights_they_leave_unchanged(monkeypatch):
         v = build_variant(name, shape, base, ids)
         v.step(4)
         v.check_shared()
-        owns_targets = name in ("prism", "no-dp", "prism-householder", "prism-eager-loss", "prism-summed-grads")
+        owns_targets = name in ("prism", "no-dp", "prism-householder", "prism-eager-loss", "prism-summed-grads",
+                                "prism-tf32-products", "prism-bf16-products", "prism-secure")
         assert (id(q) in v.shared) != owns_targets and id(base.model.layers[0].self_attn.o_proj.weight) in v.shared
     assert all(torch.equal(p, before[n]) for n, p in base.named_parameters())
     monkeypatch.setattr(gv, "changes_base", lambda spec: False)  # the planted bug: prism shares its targets
@@ -312,6 +313,9 @@ def test_gpu_profile_counts_each_kernel_once_and_writes_its_tables(tmp_path):
     assert ref["kernels"] == prism["kernels"] == 0 and ref["wall_s"] > 0  # no CUDA: host operators only
     assert ref["ops"]["aten::mm"]["calls"] > 0
     assert "aten::linalg_qr" in prism["ops"] and "aten::linalg_qr" not in ref["ops"]  # PRISM's frames
+    # wall minus kernel time only where there are kernels; host reads counted per variant (PRISM reads its loss)
+    assert ref["wall_minus_kernel_s"] is None and ref["cuda_syncs_per_step"] is None
+    assert all(isinstance(r["host_syncs_per_step"], int) for r in (ref, prism))
     md = (tmp_path / "gpu-profile-cpu.md").read_text()
     assert "## prism minus reference, operators" in md and "## prism, operators" in md
 
@@ -353,3 +357,66 @@ def test_gpu_loss_reports_each_variant_and_its_errors_catch_a_wrong_loss(tmp_pat
     wrong = gl.errors(lambda x, y: torch.logsumexp(x[:, :-1].float(), dim=2).mean(dim=1), logits, labels)
     assert wrong["loss_rel"] > 1e-3 and wrong["grad_abs"] > 1e-2  # both far above the limits above
     assert "| fused |" in (tmp_path / "gpu-loss-cpu.md").read_text()
+
+
+@pytest.mark.parametrize("module", ["bench.gpu", "bench.gpu_profile", "bench.gpu_loss", "bench.studies.gpu_qr"])
+def test_a_device_this_torch_cannot_use_is_a_one_line_refusal(module, monkeypatch, capsys, tmp_path):
+    """``--device cuda`` on a torch without CUDA (issue 42 defect 7: an assertion traceback) and a misspelt device:
+    exit 2, one line on stderr naming the problem and the fix, nothing written."""
+    import importlib
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    main = importlib.import_module(module).main
+    for device, words in (("cuda", "sees no CUDA device"), ("gpu0", "is not a device")):
+        assert main(["--device", device, "--output", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"python -m {module}: error: --device" in err and words in err, err
+        assert "--device cpu" in err or "cuda, cuda:N or cpu" in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_time_budget_holds_while_a_model_is_built(tmp_path, monkeypatch):
+    """A build slower than the budget (a full-size model on the CPU) is cut at the deadline: the shape says so, the
+    next is skipped, the files are written and the run is partial; without the hard deadline the build ran to its
+    end (issue 42 defect 7: ``--time-budget 30`` ignored while full-size models were built)."""
+    import time
+
+    built = []
+
+    def slow_build(shape, device, *a, **k):
+        for _ in range(100):  # 10 s in small slices, as a model's tensors are initialised one by one
+            time.sleep(0.1)
+        built.append(shape.name)
+        return build_base(shape, device)
+
+    monkeypatch.setattr(gpu, "build_base", slow_build)
+    env = gpu.environment(torch.device("cpu"))
+    monkeypatch.setattr(gpu, "environment", lambda device: env)  # (git and metadata: slow on a loaded machine)
+    flops_per_token(SHAPES["tiny-llama"])  # its first call imports transformers' model classes (seconds)
+    assert gpu.main(["--output", str(tmp_path), "--time-budget", "3", "--tiny"]) == 0
+    assert built == []
+    report = json.loads((tmp_path / "gpu-cpu-tiny.json").read_text())
+    assert [r["status"] for r in report["shapes"]] == ["cut: time budget", "skipped: time budget"]
+    assert report["status"] == "partial: time budget" and report["elapsed_s"] < 10
+
+
+def test_prismdp_variants_read_the_step_loss_as_the_training_loop_does():
+    """The prismdp variants read the logical batch's loss to the host as ``prismdp train`` does (a synchronisation
+    the GPU benchmark must pay): the mean per-example loss of the batch, computed here independently from the
+    model's logits before the step."""
+    from prismdp.losses import causal_lm_losses
+
+    shape = SHAPES["tiny-llama"]
+    base = build_base(shape, "cpu")
+    ids = batch(shape, base.get_input_embeddings().num_embeddings, "cpu")
+    for name in ("prism", "dp-adamw", "no-dp"):
+        v = build_variant(name, shape, base, ids)
+        with torch.no_grad():
+            want = torch.cat([causal_lm_losses(v.model(input_ids=ids[s:s + 4]).logits.float(), ids[s:s + 4])
+                              for s in (0, 4)]).double().mean().item()
+        v.model.train()
+        v.step(4)
+        assert isinstance(v.loss, float) and v.loss == pytest.approx(want, rel=1e-4), name
+    ref = build_variant("reference", shape, base, ids)
+    ref.step(4)
+    assert ref.loss is None  # the PEFT reference reads nothing (as a plain loop would not)

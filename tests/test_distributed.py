@@ -146,3 +146,78 @@ def test_a_hung_torchrun_is_killed_with_all_its_workers(tmp_path):
         with pytest.raises(AssertionError, match="still running after 1 s \\(a hang\\); all killed"):
             run.wait(1)
         assert not _tagged(run.tag)
+
+
+def test_a_sigterm_outside_the_training_loop_is_taken_as_a_request_not_a_silent_death():
+    """torchrun answers a dead rank with SIGTERM to the others, which used to kill a survivor silently outside the
+    step loop.  Guarded: while starting (no process group yet) the survivor says why in one line and exits; once
+    the group is up the SIGTERM is recorded, the process goes on (to print its lost-peer error at its next
+    collective), and a training loop entered afterwards starts with the stop already requested."""
+    from helpers import run_python
+
+    starting = """if True:
+        import os, signal, time
+        from prismdp.train.interrupt import guard_termination
+        guard_termination()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+        print("still running")
+    """
+    res = run_python(starting, timeout=60, env={"RANK": "0", "WORLD_SIZE": "2"})
+    assert res.returncode == 128 + 15 and res.stdout == "", (res.returncode, res.stderr[-2000:])
+    (line,) = res.stderr.strip().splitlines()
+    assert line.startswith("prismdp: error: rank 0 of 2: SIGTERM while the run was starting: another process of "
+                           "the run stopped or lost its connection"), line
+    running = """if True:
+        import os, signal, tempfile
+        import torch.distributed as dist
+        from prismdp.train.interrupt import guard_termination, termination_requested
+        from prismdp.train.interrupt import StopRequest
+        guard_termination()
+        dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert termination_requested() == "SIGTERM"
+        with StopRequest(log=lambda m: None, escalate=False) as stop:
+            assert stop.requested and stop.signame == "SIGTERM"
+        os.kill(os.getpid(), signal.SIGTERM)  # after the loop: the guard again, not the default
+        dist.destroy_process_group()
+        print("alive")
+    """
+    res = run_python(running, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "alive", res.stderr[-2000:]
+
+
+def test_init_from_env_sets_nccl_error_handling_and_the_timeout(monkeypatch):
+    """Under NCCL: TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (abort the communicator, end the process) unless the user set
+    it, and the process group's timeout from PRISMDP_DIST_TIMEOUT (default 300 s); a bad value is a one-line error."""
+    import signal
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import prismdp.distributed as pd
+
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout: seen.update(
+        backend=backend, timeout=timeout, handling=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")))
+    monkeypatch.setattr(pd, "current_world", lambda: None)
+    monkeypatch.setattr(pd.atexit, "register", lambda fn: None)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    monkeypatch.delenv("PRISMDP_DIST_TIMEOUT", raising=False)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        pd.init_from_env()
+        assert seen == {"backend": "nccl", "timeout": timedelta(seconds=300), "handling": "1"}
+        monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        monkeypatch.setenv("PRISMDP_DIST_TIMEOUT", "45")
+        pd.init_from_env()
+        assert seen == {"backend": "nccl", "timeout": timedelta(seconds=45), "handling": "3"}
+        monkeypatch.setenv("PRISMDP_DIST_TIMEOUT", "soon")
+        with pytest.raises(ValueError, match="PRISMDP_DIST_TIMEOUT='soon': give the seconds"):
+            pd.init_from_env()
+    finally:
+        signal.signal(signal.SIGTERM, before)

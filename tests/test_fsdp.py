@@ -1,6 +1,10 @@
 """A frozen base sharded across processes with FSDP2 (``--fsdp``, prismdp.sharding): gloo processes on the CPU."""
 
 import json
+import os
+import signal
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -265,3 +269,108 @@ def test_private_trainer_with_the_trainers_fsdp_setting_shards_the_base_and_trai
     assert pa == pb and set(a) == set(b)
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=2e-5)
+
+
+KILL_MOMENTS = ("start", "step", "start", "step", "start")  # rank 1 killed as the ranks import torch, or after a step
+
+
+def _importing_torch(pid: int) -> bool:
+    try:
+        return b"libtorch" in Path(f"/proc/{pid}/maps").read_bytes()
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_kill_9_of_one_rank_under_fsdp_ends_the_survivor_with_the_lost_peer_error_every_time(tiny_llama_dir,
+                                                                                               tmp_path):
+    """As a new user would: `torchrun --nproc-per-node 2 -m prismdp train --fsdp`, `kill -9` of rank 1, five times,
+    as both ranks start importing torch or once a step is logged: each time rank 0 ends with one error line naming the lost peer (while
+    starting: the SIGTERM torchrun sends it; in training: PeerLostError's collective and resume advice), torchrun
+    exits, and every worker has exited on its own.  Before the fix a SIGTERM outside the step loop killed rank 0
+    silently (exit -15, no line: seen here when rank 1 was killed while the run was starting)."""
+    train = _math_file(tmp_path / "data")
+    common = ["--model", tiny_llama_dir, "--task", "instruct", "--data", str(train), "--steps", "2000",
+              "--accountant", "rdp", "--batch-size", "8", "--micro-batch-size", "2", "--rank", "2", "--alpha", "2",
+              "--max-length", "48", "--lr", "1e-2", "--delta", "1e-3", "--eval-tasks", "gsm8k", "--eval-examples", "2",
+              "--fsdp", "--max-new-tokens", "4", "--checkpoint-every", "2000", "--quiet"]
+    from helpers import _tagged
+
+    failures = []
+    for attempt, moment in enumerate(KILL_MOMENTS):
+        out = tmp_path / f"run{attempt}"
+        with Spawned([torchrun_cmd(2, "-m", "prismdp", "train", *common, "--output", str(out))],
+                     tmp_path / f"logs{attempt}") as run:
+            deadline = time.monotonic() + 240
+            ranks = [run.find(f"RANK={r}") for r in (0, 1)]
+            while moment == "start" and not all(map(_importing_torch, ranks)):
+                assert time.monotonic() < deadline and run.procs[0].poll() is None, run.wait(1)[0].stderr[-3000:]
+                time.sleep(0.01)
+            while moment == "step" and not ((out / "metrics.jsonl").is_file()
+                                            and (out / "metrics.jsonl").read_text().count("\n") >= 1):
+                assert time.monotonic() < deadline and run.procs[0].poll() is None, run.wait(1)[0].stderr[-3000:]
+                time.sleep(0.05)
+            os.kill(ranks[1], signal.SIGKILL)
+            res = run.wait(120)[0]
+            left = _tagged(run.tag)  # torchrun has exited: its workers must have too, on their own
+        lines = [line for line in res.stderr.splitlines() if line.startswith("prismdp") and ": error: " in line]
+        if not (res.returncode != 0 and len(lines) == 1 and "rank 0 of 2" in lines[0]
+                and "stopped or lost its connection" in lines[0] and not left):
+            failures.append(f"try {attempt} ({moment}): torchrun exit {res.returncode}, left {left}, error lines {lines}, "
+                            f"stderr ends:\n{res.stderr[-1500:]}")
+    assert not failures, f"{len(failures)} of {len(KILL_MOMENTS)} tries without the lost-peer error:\n" + "\n".join(failures)
+
+
+def test_fsdp_on_a_torch_without_fully_shard_ignored_params_is_refused_clearly():
+    """--fsdp needs fully_shard(ignored_params=...) (torch 2.7): an older fully_shard is refused in one line naming
+    the version and the fix, before anything is loaded (check_world runs first in the build)."""
+    from prismdp.sharding import ShardingError, check_torch, check_world
+
+    def old_fully_shard(module, *, mesh=None, reshard_after_forward=True):  # torch 2.6's signature, abridged
+        return module
+
+    with pytest.raises(ShardingError, match=r"--fsdp needs torch >= 2\.7 .*pip install 'torch>=2\.7'") as e:
+        check_torch(old_fully_shard)
+    assert "\n" not in str(e.value)
+    check_torch()  # this torch has it
+    with pytest.raises(ShardingError, match="one process"):
+        check_world(None)
+
+
+def test_generation_under_a_sharded_base_keeps_every_rank_in_the_loop(monkeypatch):
+    """With a base sharded across processes, generate() runs with synced_gpus=True (every forward is a collective: a
+    rank that finished its sequences early must keep stepping until all have); without sharding, or in one process,
+    it does not."""
+    import torch.distributed as dist
+    from helpers import tiny_llama
+    
+
+    import prismdp.eval.decoding as decoding
+    import prismdp.sharding as sharding
+
+    model = tiny_llama()
+    assert decoding.synced_generation(model) is False
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    assert decoding.synced_generation(model) is False  # several processes, nothing sharded
+    monkeypatch.setattr(sharding, "is_sharded", lambda m: True)
+    assert decoding.synced_generation(model) is True
+
+    seen = []
+
+    def fake_generate(**kw):
+        seen.append(kw.get("synced_gpus"))
+        return torch.cat([kw["input_ids"], torch.full_like(kw["input_ids"][:, :1], 2)], 1)
+
+    class Tok:
+        pad_token_id, eos_token_id = 0, 2
+
+        def __call__(self, prompts, add_special_tokens=True):
+            return {"input_ids": [[5, 6, 7][: 1 + i % 3] for i, _ in enumerate(prompts)]}
+
+        def decode(self, toks, skip_special_tokens=True):
+            return " ".join(map(str, toks))
+
+    monkeypatch.setattr(model, "generate", fake_generate)
+    decoding.generate(model, Tok(), ["a", "b"], max_new_tokens=1)
+    assert seen == [True]

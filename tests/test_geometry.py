@@ -1047,3 +1047,28 @@ def test_float32_gauge_ill_conditioned_norms(cond):
         assert rel_err(dense_tangent(A, B, dA[i].double(), dB[i].double()), dense_project(UA @ UA.mT, UB @ UB.mT, G[i]), G[i].norm()) < tol
     torch.testing.assert_close(projected_grad_norm_sq(frame(A32, B32), gA, gB).double(), ref, rtol=tol, atol=0)
     torch.testing.assert_close(tangent_norm_sq(A32, B32, dA, dB).double(), ref, rtol=tol, atol=0)
+
+
+def test_retract_takes_a_python_learning_rate_as_a_scalar_not_a_tensor_per_call():
+    """A float ``lr`` enters the retraction as a scalar operand (no ``torch.as_tensor`` per call: on a GPU a tensor
+    made on the host and copied to the device every step), with the same result bit for bit as a tensor ``lr``."""
+    from torch.overrides import TorchFunctionMode
+
+    from prismdp.geometry import retract
+
+    class Calls(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.append(getattr(func, "__name__", ""))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    A, B, dA, dB = (torch.randn(2, n, 3, generator=g) for n in (7, 5, 7, 5))
+    with Calls() as calls:
+        got = retract(A, B, dA, dB, 0.01)
+    assert "as_tensor" not in calls.names and "tensor" not in calls.names
+    want = retract(A, B, dA, dB, torch.tensor(0.01))
+    assert all(torch.equal(x, y) for x, y in zip(got, want))

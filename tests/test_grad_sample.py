@@ -400,3 +400,86 @@ def test_bf16_base_model_per_example_gradients_and_norms_match_float32(arch):
     err = (flat[1] - flat[0]).norm(dim=1) / flat[0].norm(dim=1)
     assert float(err.max()) < 0.02, err
     assert norms[1] == pytest.approx(norms[0], rel=0.01)
+
+
+# Per-example products in TF32 or bf16 inputs, float32 accumulation (issue 44 item 3).  Bounds stated before they were
+# measured: (1) per example, rounding both inputs of L R with unit roundoff u (TF32 2^-11, bf16 2^-9) changes it by
+# at most (2 u + u^2 + T 2^-24) || |L| |R| ||_F in Frobenius norm (first-order rounding analysis, float32 sums of T
+# terms); (2) on a bf16 base, against the float64 model's per-example gradients, TF32 products keep the mean and the
+# worst per-example relative error within 1.1x of float32 products', bf16 products within 1.5x (the base's own bf16
+# rounding, in every activation, dominates one more rounding of one input per product).
+UNIT_ROUNDOFF = {"tf32": 2.0 ** -11, "bf16": 2.0 ** -9}
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_reduced_precision_products_stay_within_the_rounding_bound(precision):
+    from prismdp.grad_sample import product
+
+    g = torch.Generator().manual_seed(0)
+    b, r, T, m = 6, 4, 200, 48
+    L = torch.randn(b, r, T, generator=g)
+    R = torch.randn(b, T, m, generator=g) + 3.0  # a common offset: sums that cancel (kappa >> 1)
+    L = L - L.mean(-1, keepdim=True)
+    exact = torch.bmm(L.double(), R.double())
+    got = product(L, R, precision)
+    assert got.dtype == torch.float32
+    u = UNIT_ROUNDOFF[precision]
+    err = (got.double() - exact).flatten(1).norm(dim=1)
+    bound = (2 * u + u * u + T * 2.0 ** -24) * torch.bmm(L.double().abs(), R.double().abs()).flatten(1).norm(dim=1)
+    assert bool((err <= bound).all()), (err / bound)
+    assert float((err / exact.flatten(1).norm(dim=1)).max()) > 1e-5  # the rounding is there (not float32's 1e-7)
+    # the CPU's emulation is the product of the inputs rounded to nearest at the format's precision (11 or 8
+    # significant bits: numpy's frexp and round-half-even, an independent rounding), summed in float32
+    import numpy as np
+
+    def rounded(t):
+        mant, exp = np.frexp(t.double().numpy())
+        bits = 11 if precision == "tf32" else 8
+        return torch.from_numpy(np.ldexp(np.round(mant * 2 ** bits) / 2 ** bits, exp))
+
+    want = torch.bmm(rounded(L), rounded(R))
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=T * 2.0 ** -24 * float(want.abs().max()))
+    out = torch.empty(b, r, m)
+    assert product(L, R, precision, out=out) is out and torch.equal(out, got)
+    with pytest.raises(ValueError, match="choose one of"):
+        product(L, R, "fp8")
+
+
+def test_tf32_and_bf16_products_on_a_bf16_base_keep_the_per_example_error_against_float64():
+    """Bound (2) above, on the tiny Llama (bf16 base, float32 LoRA factors) against the same model in float64."""
+    import copy
+
+    from prismdp.engine import make_private
+
+    torch.manual_seed(0)
+    model32 = tiny_llama()
+    start = move_to_rank_r_start(find_lora_pairs(model32))
+    ids, mask = padded_batch([20, 31, 12, 25, 30, 8], vocab=100)
+    labels = ids.masked_fill(mask == 0, -100)
+
+    def per_example(dtype, products):
+        model = copy.deepcopy(model32)
+        model.base_model.model.to(dtype)
+        for p, p32 in zip(find_lora_pairs(model), find_lora_pairs(model32)):  # the same factors, float32 or 64
+            wide = max(dtype, torch.float32, key=lambda d: d.itemsize)
+            p.lora_A.weight.data = p32.lora_A.weight.data.to(wide, copy=True)
+            p.lora_B.weight.data = p32.lora_B.weight.data.to(wide, copy=True)
+        private = make_private(model, method="prism", lr=1e-3, dataset_size=10, batch_size=6, steps=1,
+                               noise_multiplier=1.0, max_grad_norm=1e9, seed=0, start=start)
+        private.grad_sampler.disarm()
+        private.grad_sampler.products = products
+        pe = _per_example(model, private.grad_sampler, ids, mask, labels, causal_lm_losses)
+        return torch.cat([t.double().flatten(1) for pair in pe.lora for t in pair], 1)
+
+    exact = per_example(torch.float64, "float32")
+    errors = {}
+    for products in ("float32", "tf32", "bf16"):
+        got = per_example(torch.bfloat16, products)
+        rel = (got - exact).norm(dim=1) / exact.norm(dim=1)
+        errors[products] = (float(rel.mean()), float(rel.max()))
+    base_mean, base_worst = errors["float32"]
+    assert base_worst > 1e-3, errors  # the bf16 base's own error is there
+    for products, factor in (("tf32", 1.1), ("bf16", 1.5)):
+        mean, worst = errors[products]
+        assert mean <= factor * base_mean and worst <= factor * base_worst, errors
+    print(errors)

@@ -420,3 +420,26 @@ def test_noise_is_drawn_on_the_device_by_its_seeded_generator(device):
         assert torch.equal(got, want)
     for got, want in zip(release.values, expected, strict=True):
         assert torch.allclose(got, want / 4.0)
+
+
+def test_clipping_counters_stay_on_the_device_across_batches():
+    """The clipping statistics live on the coefficients' device: after a batch is taken, the next batch's zeroed
+    counters are made there (a fill), not on the CPU and copied over each step (issue 44: five host-to-device copies
+    per step).  The meta device stands in for a GPU: a counter made on the CPU would show as such."""
+    from prismdp.privacy.clipping import ClippedSum
+
+    clip = ClippedSum(1.0)
+    for _ in range(3):
+        clip.coefficients(torch.rand(4, device="meta"))
+        taken = clip.take()
+        assert {t.device.type for t in (taken.examples, taken.clipped, taken.coef_sum)} == {"meta"}
+        assert {getattr(clip, n).device.type for n in ("examples", "clipped", "coef_sum", "nonfinite",
+                                                       "norm_sum")} == {"meta"}
+    cpu = ClippedSum(1.0)  # and the values on the CPU: 2 of 3 clipped, one not finite
+    cpu.coefficients(torch.tensor([4.0, 0.25, float("inf")]))
+    cpu.coefficients(torch.tensor([9.0]))
+    got = cpu.take()
+    assert [float(v) for v in (got.examples, got.clipped, got.nonfinite)] == [4.0, 2.0, 1.0]
+    assert float(got.coef_sum) == pytest.approx(0.5 + 1.0 + 0.0 + 1 / 3)
+    assert float(got.norm_sum) == pytest.approx(2.0 + 0.5 + 0.0 + 3.0)
+    assert float(cpu.examples) == 0.0 and cpu.examples.device.type == "cpu"

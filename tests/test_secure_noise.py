@@ -276,3 +276,30 @@ def test_a_secure_private_trainer_ignores_its_seed_for_samples_and_noise(tiny_be
     assert all(not torch.equal(x, y) for x, y in zip(n1, n2))
     assert rep["secure_noise"] is True and "ChaCha20" in rep["sampling_source"]["generator"]
     assert "ChaCha20" in rep["noise_source"]["generator"]
+
+
+def test_background_secure_noise_equals_the_foreground_draw_bit_for_bit(monkeypatch):
+    """The next release's noise drawn on a background thread (``background=True``) is, bit for bit, what the
+    foreground draws for the same key: same draw numbers, same blocks, whatever the timing; shapes that change
+    between releases drop the prefetched draw and draw again under the same numbers; the draw counter (the
+    keystream position a checkpoint or a copy would carry) after each release is the foreground's."""
+    import prismdp.privacy.secure as secure
+
+    monkeypatch.setattr(secure, "BLOCK", 1000)  # several blocks per tensor, on the pool's threads
+    specs = [((3, 700), torch.float32, "cpu"), ((2500,), torch.float64, "cpu")]
+    other = [((40,), torch.float32, "cpu")]
+    plan = [specs, specs, other, specs, specs]
+    fg, bg = SecureRandom(KEY, threads=2, background=False), SecureRandom(KEY, threads=2, background=True)
+    for i, release in enumerate(plan):
+        want = [fg.normal(*spec) for spec in release]  # the foreground: one draw per tensor, in order
+        got = bg.normals(release)
+        assert [g.dtype for g in got] == [w.dtype for w in want]
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), i
+        assert bg._draws == fg._draws and bg.state_dict() == fg.state_dict()
+        assert bg._pending is not None and bg._pending[0] == [(tuple(s), d, torch.device(v)) for s, d, v in release]
+        assert copy.deepcopy(bg)._draws == fg._draws  # a copy carries the position, not the pending draw
+    assert fg._pending is None
+    # the background draw really is what is served: a pending draw, planted with other values, comes back
+    planted = bg._pending[1].result()
+    planted[0].fill_(7.0)
+    assert torch.equal(bg.normals(specs)[0], torch.full((3, 700), 7.0))

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from prismdp import geometry
 
-from ..gpu import environment, timed_step, write_report
+from ..gpu import environment, refuse, resolve_device, timed_step, write_report
 
 LLAMA_1B = {"q (2048)": 2048, "k, v (512)": 512, "up / down (8192)": 8192}  # the rows of A or B per target family
 
@@ -138,14 +138,17 @@ def markdown(report: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.studies.gpu_qr", description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="default cuda if available, else cpu")
     p.add_argument("--batch", type=int, default=16, help="layers per batched call (Llama-3.2-1B: 16)")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--tiny", action="store_true", help="small shapes (a check of the script)")
     p.add_argument("--output", default="bench/results")
     args = p.parse_args(argv)
-    device = torch.device(args.device)
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        return refuse("python -m bench.studies.gpu_qr", e)
     shapes = {"tiny (64)": 64, "tiny (256)": 256} if args.tiny else LLAMA_1B
     env = environment(device)
     report = {"command": ["python", "-m", "bench.studies.gpu_qr", *(sys.argv[1:] if argv is None else argv)],

@@ -357,8 +357,12 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:  # under torchrun: a SIGTERM is never a silent death
+        from .train.interrupt import guard_termination  # (first, before torch is imported: it takes seconds)
+
+        guard_termination()
     install_quiet()  # first: optional backends log while they are imported (prismdp.quiet)
-    from .distributed import PeerLostError, ReplicaDivergenceError
+    from .distributed import PeerLostError, ReplicaDivergenceError, peer_lost
     from .models import ModelLoadError
     from .privacy import BudgetExhaustedError
     from .train.interrupt import TrainingInterrupted
@@ -373,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ImportError, FileNotFoundError, BudgetExhaustedError, ModelLoadError, RunExistsError,
             PeerLostError, ReplicaDivergenceError) as e:  # no traceback
         print(f"prismdp {args.command}: error: {e}", file=sys.stderr)
+        if isinstance(e, PeerLostError) and peer_lost():  # a broken process group: its teardown at exit can block
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
         return 2
     except TrainingInterrupted as e:  # Ctrl-C / SIGTERM during training: a checkpoint was saved after the last step
         if e.main and args.command == "audit":

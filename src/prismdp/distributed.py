@@ -15,7 +15,12 @@ The run stays the one-process mechanism, split by examples:
 * no DDP: gradients the mechanism discards are never all-reduced.
 
 A failed collective (a process died, a connection dropped) raises :class:`PeerLostError` naming the step, instead of
-hanging until a timeout.
+hanging until a timeout.  When a rank dies, torchrun sends SIGTERM to the others; a survivor takes it as a request
+(:func:`prismdp.train.interrupt.guard_termination`: never a silent death mid-error), meets the lost peer at its next
+collective and ends with the lost-peer error, without tearing down the broken process group (which can block).  Under NCCL a lost peer may
+not fail a collective at all: the process group's timeout (``PRISMDP_DIST_TIMEOUT`` seconds, default 300) bounds the
+wait, and NCCL's asynchronous error handling (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` unless set: abort the
+communicator, then end the process) ends every survivor within it.
 """
 
 from __future__ import annotations
@@ -30,7 +35,16 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["World", "PeerLostError", "ReplicaDivergenceError", "current_world", "init_from_env", "shard_seed"]
+__all__ = ["World", "PeerLostError", "ReplicaDivergenceError", "current_world", "init_from_env", "shard_seed",
+           "peer_lost"]
+
+DEFAULT_TIMEOUT_S = 300.0  # a lost peer under NCCL ends the survivors within this (PRISMDP_DIST_TIMEOUT overrides)
+_state = {"peer_lost": False}
+
+
+def peer_lost() -> bool:
+    """Whether a collective of this process has failed because another process of the run was lost."""
+    return _state["peer_lost"]
 
 
 class PeerLostError(RuntimeError):
@@ -67,6 +81,7 @@ class World:
         return self.rank == 0
 
     def _lost(self, what: str, e: BaseException) -> PeerLostError:
+        _state["peer_lost"] = True
         return PeerLostError(
             f"rank {self.rank} of {self.size}: the collective '{what}' failed ({type(e).__name__}: {e}). Another "
             "process of the run stopped or lost its connection; this run cannot continue. Resume it from its last "
@@ -178,18 +193,39 @@ def current_world() -> World | None:
     return None
 
 
-def init_from_env(timeout_s: float = 600.0) -> World | None:
+def dist_timeout_s() -> float:
+    """The process group's timeout: ``PRISMDP_DIST_TIMEOUT`` seconds if set (a positive number), else
+    :data:`DEFAULT_TIMEOUT_S`."""
+    raw = os.environ.get("PRISMDP_DIST_TIMEOUT")
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"PRISMDP_DIST_TIMEOUT={raw!r}: give the seconds a collective may wait for a lost peer, a "
+                         f"positive number (default {DEFAULT_TIMEOUT_S:g})")
+    return value
+
+
+def init_from_env(timeout_s: float | None = None) -> World | None:
     """Initialise the default process group from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-    ``MASTER_ADDR``/``PORT``): NCCL with one GPU per process (``cuda:LOCAL_RANK``) when CUDA is available, else gloo.
+    ``MASTER_ADDR``/``PORT``): NCCL with one GPU per process (``cuda:LOCAL_RANK``) when CUDA is available, else gloo,
+    with the timeout ``timeout_s`` (default :func:`dist_timeout_s`) and NCCL's asynchronous error handling on.
     Returns None outside torchrun or for a single process."""
     import torch.distributed as dist
 
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
     if not dist.is_initialized():
+        timeout_s = dist_timeout_s() if timeout_s is None else timeout_s
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            # read when the NCCL process group is made: abort the communicator and end the process on a collective's
+            # error or timeout (torch's default, 3, ends it without aborting; 0 would hang)
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
         atexit.register(_destroy_group)  # we created it, we close it (an open group can abort at interpreter exit)
     return current_world()
@@ -200,6 +236,6 @@ def _destroy_group() -> None:
 
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    if dist.is_initialized() and not _state["peer_lost"]:  # a broken group's teardown can block: leave it to exit
         gc.collect()  # free unreachable modules (FSDP state, DTensors) while their group is alive, not after it
         dist.destroy_process_group()

@@ -297,7 +297,8 @@ def retract(
     fr = frame(A, B, qr) if fr is None else fr
     QA2, CA, RA2 = _extend_basis(fr.QA, fr.RA, dA, qr)
     QB2, CB, RB2 = _extend_basis(fr.QB, fr.RB, dB, qr)
-    lr_t = torch.as_tensor(lr, dtype=A.dtype, device=A.device)
+    # a Python number stays one (a scalar operand: no tensor made and copied to the device per call)
+    lr_t = lr if isinstance(lr, (int, float)) else torch.as_tensor(lr, dtype=A.dtype, device=A.device)
     # core = Ru K Rv^T with Ru = [[RA, CA], [0, RA2]], Rv = [[RB, CB], [0, RB2]] and K = [[I, -lr I], [-lr I, 0]]:
     # [[RA (RB - lr CB)^T - lr CA RB^T,  -lr RA RB2^T], [-lr RA2 RB^T,  0]]
     top = torch.cat([fr.RA @ (fr.RB - lr_t * CB).mT - lr_t * (CA @ fr.RB.mT), -lr_t * (fr.RA @ RB2.mT)], dim=-1)

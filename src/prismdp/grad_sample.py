@@ -19,6 +19,15 @@ While recording, a LoRA factor's forward runs with its weight's ``requires_grad`
 autograd computes no batch-summed ``.grad`` for the factors: the per-example gradients replace it, and its matrix
 products (as large as the taps' own) would be thrown away.
 
+**Precision of the products** (:attr:`GradSampler.products`): ``"float32"`` (the default) multiplies in float32
+(on CUDA without TF32: torch's default); ``"tf32"`` rounds the inputs to TF32 (10-bit mantissa; on CUDA: TF32 tensor
+cores for these products only) and ``"bf16"`` to bfloat16 (8-bit mantissa), both accumulating in float32.  Per
+example and factor, with ``kappa = || |L| |R| ||_F / || L R ||_F`` of the product ``L R`` (1 without cancellation
+over tokens), rounding both inputs with unit roundoff u adds a relative Frobenius error of at most about
+``2 u kappa`` (u = 2^-11 for TF32, 2^-9 for bf16; ``tests/test_grad_sample.py`` tests that bound against float64,
+and ``docs/gpu-readiness.md`` states the measured errors).  On a bf16 base one of the two inputs of every LoRA
+product (the bf16 layer input ``x``, or the output gradient reaching ``lora_B``) is already bf16-exact.
+
 Nothing is stored on parameters: :meth:`GradSampler.record` yields a :class:`Recording`, and
 :meth:`Recording.grads` returns an explicit :class:`PerExampleGrads`.
 
@@ -37,7 +46,8 @@ from torch import Tensor, nn
 
 from .lora import LoraPair, LoraSetupError, stack_by_shape
 
-__all__ = ["PerExampleGrads", "GradSampler", "Recording", "dense_trainable_modules", "float32_trainables"]
+__all__ = ["PerExampleGrads", "GradSampler", "Recording", "dense_trainable_modules", "float32_trainables", "PRODUCTS",
+           "product"]
 
 
 @dataclass
@@ -89,6 +99,52 @@ def _flat(t: Tensor) -> Tensor:
 def _work(t: Tensor) -> Tensor:
     """float32 for bf16/fp16 tensors (per-example gradients are never accumulated in half precision)."""
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+PRODUCTS = ("float32", "tf32", "bf16")
+
+
+def _round_mantissa(t: Tensor, bits: int) -> Tensor:
+    """float32 ``t`` rounded to nearest (ties to even) with ``bits`` explicit mantissa bits (TF32: 10), as float32."""
+    drop = 23 - bits
+    i = t.view(torch.int32)
+    keep_lsb = (i >> drop) & 1
+    rounded = (i + ((1 << (drop - 1)) - 1) + keep_lsb) & ~((1 << drop) - 1)
+    return torch.where(torch.isfinite(t), rounded.view(torch.float32), t)
+
+
+@contextlib.contextmanager
+def _tf32_matmul(device: torch.device) -> Iterator[None]:
+    """TF32 tensor cores for the float32 matmuls inside (CUDA; restored after)."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # TF32 for float32 matmuls
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def product(left: Tensor, right: Tensor, precision: str, out: Tensor | None = None) -> Tensor:
+    """``torch.bmm(left, right)`` of float32 operands in ``precision`` (:data:`PRODUCTS`), accumulated in float32
+    (float64 operands are multiplied in float64 whatever ``precision``).  On the CPU, TF32 and bf16 are emulated
+    exactly: the inputs rounded, then a float32 product (the products of two rounded values are exact in float32)."""
+    if precision == "float32" or left.dtype == torch.float64:
+        return torch.bmm(left, right, out=out)
+    if precision == "tf32":
+        if left.is_cuda:
+            with _tf32_matmul(left.device):
+                return torch.bmm(left, right, out=out)
+        return torch.bmm(_round_mantissa(left, 10), _round_mantissa(right, 10), out=out)
+    if precision == "bf16":
+        lo, ro = left.to(torch.bfloat16), right.to(torch.bfloat16)
+        if left.is_cuda:
+            got = torch.bmm(lo, ro, out_dtype=torch.float32)
+            return got if out is None else out.copy_(got)
+        return torch.bmm(lo.float(), ro.float(), out=out)
+    raise ValueError(f"per-example products in {precision!r}: choose one of {PRODUCTS}")
 
 
 def dense_trainable_modules(model: nn.Module, pairs: list[LoraPair]) -> list[tuple[nn.Module, list[nn.Parameter]]]:
@@ -212,9 +268,9 @@ class Recording:
                 stack[part] = torch.empty(len(sampler.stacks[i]), g.shape[0], r, cols, dtype=dt, device=g.device)
             left, right = (a.mT, g) if part == 0 else (g.mT, a)  # h^T dy (b, r, m) / dh^T x (b, r, n)
             if self.written[k][part]:  # a second call of the module in this forward: its contributions add up
-                stack[part][j].add_(torch.bmm(left, right))
+                stack[part][j].add_(product(left, right, sampler.products))
             else:
-                torch.bmm(left, right, out=stack[part][j])
+                product(left, right, sampler.products, out=stack[part][j])
             self.written[k][part] = True
 
         return sink
@@ -294,6 +350,9 @@ class GradSampler:
         #: True: let autograd also compute the LoRA factors' batch-summed ``.grad`` while recording (as before
         #: 2026-11-27; bench's ``prism-summed-grads`` ablation measures what skipping it gains)
         self.summed_lora_grads = False
+        #: the LoRA taps' products: "float32" (default), "tf32" or "bf16" inputs, float32 accumulation (see the module
+        #: docstring for the error bound)
+        self.products = "float32"
         for k, pair in enumerate(pairs):
             if pair.trains_A:  # a frozen lora_A needs no per-example gradient
                 self._tap(pair.lora_A, lambda rec, k=k: rec.lora_sink(k, 1), own_grads=False)

@@ -66,8 +66,27 @@ def assign_weight(weight: Tensor, value: Tensor) -> None:
     weight.copy_(value)
 
 
+FULLY_SHARD_TORCH = "2.7"  # fully_shard(ignored_params=...): pytorch/pytorch#146631, first released in torch 2.7
+
+
+def check_torch(fully_shard=None) -> None:
+    """Refuse ``--fsdp`` on a torch whose ``fully_shard`` cannot leave the trained tensors out (``ignored_params``)."""
+    import inspect
+
+    if fully_shard is None:
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:
+            fully_shard = None
+    if fully_shard is None or "ignored_params" not in inspect.signature(fully_shard).parameters:
+        raise ShardingError(f"--fsdp needs torch >= {FULLY_SHARD_TORCH} (FSDP2's fully_shard(ignored_params=...), "
+                            f"which keeps the trained LoRA factors whole); this is torch {torch.__version__}. Fix: "
+                            f"pip install 'torch>={FULLY_SHARD_TORCH}', or leave --fsdp out.")
+
+
 def check_world(world) -> None:
-    """Refuse to shard without several processes (before anything is loaded)."""
+    """Refuse to shard without several processes or on a torch that cannot (before anything is loaded)."""
+    check_torch()
     if world is None or world.size < 2:
         raise ShardingError("--fsdp shards the base model across the processes of a torchrun job, and this run has one "
                             "process. Fix: start it with `torchrun --nproc-per-node N -m prismdp train --fsdp ...` "

@@ -34,6 +34,18 @@ def _eos_ids(model, tokenizer) -> List[int]:
 
 
 @torch.no_grad()
+def synced_generation(model) -> bool:
+    """Whether ``generate`` must keep every rank in its loop until all are done (``synced_gpus``): a base sharded
+    across several processes (:mod:`prismdp.sharding`), where every forward is a collective, so a rank that stopped
+    decoding early would leave the others waiting in an all-gather.  transformers sets it only for the FSDP it
+    applies itself."""
+    import torch.distributed as dist
+
+    from ..sharding import is_sharded
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and is_sharded(model)
+
+
 def generate(model, tokenizer, prompts: Sequence[str], *, batch_size: int = 16, max_new_tokens: int = 8,
              progress: bool = False, desc: str = "generate") -> Generations:
     """Batched greedy decoding with the KV cache and left padding (see the module doc)."""
@@ -58,6 +70,7 @@ def generate(model, tokenizer, prompts: Sequence[str], *, batch_size: int = 16, 
         device = next(model.parameters()).device
     except StopIteration:  # pragma: no cover
         device = torch.device("cpu")
+    synced = synced_generation(model)
     texts: List[Optional[str]] = [None] * len(prompts)
     finished: List[bool] = [False] * len(prompts)
     was_training = model.training
@@ -74,7 +87,8 @@ def generate(model, tokenizer, prompts: Sequence[str], *, batch_size: int = 16, 
             for row, i in enumerate(idx):
                 ids[row, width - len(enc[i]):] = torch.tensor(enc[i], dtype=torch.long)
                 mask[row, width - len(enc[i]):] = 1
-            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen_cfg)
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen_cfg,
+                                 synced_gpus=synced)
             new = out[:, width:].cpu()
             for row, i in enumerate(idx):
                 toks = new[row].tolist()

@@ -75,14 +75,13 @@ class ClippedSum:
 
     def __init__(self, max_grad_norm: float):
         self.max_grad_norm = float(max_grad_norm)
+        self.device = torch.device("cpu")  # where the counters live: the coefficients' device once one is seen
         self.reset()
 
     def reset(self) -> None:
-        self.examples = torch.zeros((), dtype=torch.float64)
-        self.clipped = torch.zeros((), dtype=torch.float64)
-        self.coef_sum = torch.zeros((), dtype=torch.float64)
-        self.nonfinite = torch.zeros((), dtype=torch.float64)
-        self.norm_sum = torch.zeros((), dtype=torch.float64)
+        """Zero counters, made on the counters' device (a fill there: no copy from the host, no wait)."""
+        counters = torch.zeros(5, dtype=torch.float64, device=self.device)
+        self.examples, self.clipped, self.coef_sum, self.nonfinite, self.norm_sum = counters.unbind()
 
     def coefficients(self, sq_norms: Tensor) -> Tensor:
         """(b,) squared global norms -> (b,) coefficients ``min(1, C / s_i)``, 0 where not finite."""
@@ -90,8 +89,8 @@ class ClippedSum:
         norms = torch.where(finite, sq_norms, torch.zeros_like(sq_norms)).clamp_min(0).sqrt()
         coef = (self.max_grad_norm / (norms + 1e-12)).clamp(max=1.0)
         coef = torch.where(finite, coef, torch.zeros_like(coef))
-        dev = self.examples.device
-        if dev != coef.device:
+        if self.device != coef.device:  # the first batch on this device (once): the counters move there and stay
+            self.device = coef.device
             for name in ("examples", "clipped", "coef_sum", "nonfinite", "norm_sum"):
                 setattr(self, name, getattr(self, name).to(coef.device))
         self.examples += coef.numel()

@@ -195,7 +195,7 @@ class GaussianMechanism:
         b, std = float(self.dp.expected_batch_size), self.dp.noise_std
         noise = None
         if std > 0:
-            draws = [self.noise_source.normal(s.shape, s.dtype, s.device) for s in sums]
+            draws = self.noise_source.normals([(s.shape, s.dtype, s.device) for s in sums])
             noise = [std * xi for xi in coords.noise(draws)]
             values = [(s + n) / b for s, n in zip(signal, noise)]
         else:

@@ -31,6 +31,13 @@ noise is reproducible by anyone who knows the seed.  In secure mode:
   ChaCha20 position (counter ``c * 2^64 + j * 2^40``, the same key: disjoint pieces of one keystream), on up to
   ``torch.get_num_threads()`` threads (numpy's samplers release the GIL).  The values depend on the key, c and j
   only, never on the number of threads: ranks sharing a key draw the same noise whatever their thread settings.
+* **Off the critical path** (``background=True``, the default): each release draws its noise tensors in one call
+  (:meth:`SecureRandom.normals`), which then starts the next release's draws (the same shapes, the next draw numbers)
+  on a background thread while the step runs: ChaCha20, the sums and the cast (into page-locked memory on a GPU).
+  The next release takes them if it asks for the same shapes, otherwise they are dropped and drawn again in the
+  foreground under the same draw numbers.  The values depend on the key and the draw and block numbers alone, never
+  on timing: the background draw equals the foreground one bit for bit, and the draw counter after a release is
+  the foreground's (a prefetched draw is not counted until it is taken).
 * **Several processes** (:mod:`prismdp.distributed`): the noise of the global sum must be one draw shared by all
   ranks.  Rank 0 draws the key and broadcasts it once (:meth:`prismdp.distributed.World.shared_key`); every rank then
   draws the same noise locally, with no per-step communication.  That gives no rank anything it does not already hold:
@@ -42,6 +49,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
 import numpy as np
@@ -61,9 +69,10 @@ class SecureRandom:
     """ChaCha20 with a 256-bit OS-drawn (or given, e.g. broadcast) key: uniforms for Poisson sampling and
     Holohan-Braghin normals for noise.  ``key`` is bytes from :func:`secrets.token_bytes`, never a seed.
     ``threads``: how many threads draw the noise (default: ``torch.get_num_threads()`` at each draw); the values
-    do not depend on it."""
+    do not depend on it.  ``background``: :meth:`normals` draws the next release's noise while the step runs (the
+    same values, see the module docstring)."""
 
-    def __init__(self, key: bytes | None = None, threads: int | None = None):
+    def __init__(self, key: bytes | None = None, threads: int | None = None, background: bool = True):
         from randomgen import ChaCha
 
         if key is not None and (not isinstance(key, bytes) or len(key) != KEY_BYTES):
@@ -77,9 +86,12 @@ class SecureRandom:
         self._gen = np.random.Generator(ChaCha(key=self._key, rounds=20))  # uniforms: counters from 0
         self._draws = 0  # normal() calls so far: draw c uses the counters from c * 2^64 on
         self._pool, self._pool_size = None, 0
+        self.background = background
+        self._ahead: ThreadPoolExecutor | None = None  # the background draw's thread
+        self._pending: tuple[list, Future] | None = None  # (specs, future of their host draws)
 
     def __getstate__(self) -> dict[str, Any]:  # a copy (deepcopy, pickle) gets its own threads when it draws
-        return {**self.__dict__, "_pool": None, "_pool_size": 0}
+        return {**self.__dict__, "_pool": None, "_pool_size": 0, "_ahead": None, "_pending": None}
 
     def describe(self) -> dict[str, Any]:
         import randomgen
@@ -100,19 +112,14 @@ class SecureRandom:
         np.sum(gen.standard_normal((NORMALS_PER_DRAW, out.size)), axis=0, out=out)
         out /= np.sqrt(NORMALS_PER_DRAW)
 
-    def normal(self, shape: Sequence[int], dtype: torch.dtype, device) -> Tensor:
-        """Standard normal entries of ``shape`` as ``(N1 + N2 + N3 + N4) / 2`` in float64, cast to ``dtype``."""
-        if torch.finfo(dtype).bits < 32:
-            raise ValueError(f"secure noise is drawn in float32 or wider, not {dtype}")
-        self._draws += 1
-        draw = self._draws
+    def _host_draw(self, draw: int, shape: Sequence[int], dtype: torch.dtype, pinned: bool, threads: int) -> Tensor:
+        """Draw ``draw``'s float64 normals on the host (blocks on up to ``threads`` threads), cast to ``dtype``
+        (into page-locked memory if ``pinned``)."""
         flat = np.empty(math.prod(shape))
         blocks = [(j, flat[s:s + BLOCK]) for j, s in enumerate(range(0, flat.size, BLOCK))]
-        threads = min(self.threads or torch.get_num_threads(), len(blocks))
+        threads = min(threads, len(blocks))
         if threads > 1:
             if self._pool_size < threads:
-                from concurrent.futures import ThreadPoolExecutor
-
                 self._pool, self._pool_size = ThreadPoolExecutor(threads, thread_name_prefix="prismdp-secure-noise"), \
                     threads
             list(self._pool.map(lambda b: self._block(draw, *b), blocks))
@@ -120,15 +127,53 @@ class SecureRandom:
             for j, out in blocks:
                 self._block(draw, j, out)
         total = torch.from_numpy(flat.reshape(tuple(shape)))
-        device = torch.device(device)
-        if device.type != "cuda":
-            return total.to(device=device, dtype=dtype)
+        if not pinned:
+            return total.to(dtype)
         # on a GPU: cast on the CPU straight into page-locked memory (half the bytes of float64 for float32), then
         # one asynchronous copy per tensor; the host does not wait for the device (costs:
         # bench/studies/secure_noise.py)
         staged = torch.empty(total.shape, dtype=dtype, pin_memory=True)
         staged.copy_(total)
-        return staged.to(device, non_blocking=True)
+        return staged
+
+    @staticmethod
+    def _spec(shape: Sequence[int], dtype: torch.dtype, device) -> tuple:
+        if torch.finfo(dtype).bits < 32:
+            raise ValueError(f"secure noise is drawn in float32 or wider, not {dtype}")
+        return tuple(shape), dtype, torch.device(device)
+
+    def _draw_all(self, first: int, specs: list, threads: int) -> list[Tensor]:
+        return [self._host_draw(first + i, shape, dtype, device.type == "cuda", threads)
+                for i, (shape, dtype, device) in enumerate(specs)]
+
+    @staticmethod
+    def _to_device(host: Tensor, device: torch.device) -> Tensor:
+        return host.to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+    def normal(self, shape: Sequence[int], dtype: torch.dtype, device) -> Tensor:
+        """Standard normal entries of ``shape`` as ``(N1 + N2 + N3 + N4) / 2`` in float64, cast to ``dtype``."""
+        return self.normals([(shape, dtype, device)])[0]
+
+    def normals(self, specs: Sequence[tuple[Sequence[int], torch.dtype, Any]]) -> list[Tensor]:
+        """One release's noise: a tensor of standard normals per ``(shape, dtype, device)``, the same values as one
+        :meth:`normal` call per spec in order.  With ``background``, the draws of the next call with these specs are
+        then started on a background thread."""
+        specs = [self._spec(*spec) for spec in specs]
+        threads = self.threads or torch.get_num_threads()
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == specs:
+            host = pending[1].result()  # drawn ahead for these draw numbers (an error there is raised here)
+        else:
+            if pending is not None:
+                pending[1].result()  # other shapes: wait for the thread (it owns the pool's blocks), drop its draws
+            host = self._draw_all(self._draws + 1, specs, threads)
+        self._draws += len(specs)
+        out = [self._to_device(h, device) for h, (_, _, device) in zip(host, specs)]
+        if self.background:
+            if self._ahead is None:
+                self._ahead = ThreadPoolExecutor(1, thread_name_prefix="prismdp-secure-noise-ahead")
+            self._pending = (specs, self._ahead.submit(self._draw_all, self._draws + 1, specs, threads))
+        return out
 
     # Checkpoints hold no key: a resumed secure run continues with a fresh OS-drawn key (see the module docstring).
     def state_dict(self) -> dict[str, Any]:
@@ -166,6 +211,10 @@ class TorchNoise:
 
     def normal(self, shape: Sequence[int], dtype: torch.dtype, device) -> Tensor:
         return torch.randn(tuple(shape), generator=self.generator, dtype=dtype, device=device)
+
+    def normals(self, specs: Sequence[tuple[Sequence[int], torch.dtype, Any]]) -> list[Tensor]:
+        """One release's noise, one :meth:`normal` per ``(shape, dtype, device)`` in order."""
+        return [self.normal(*spec) for spec in specs]
 
     def state_dict(self) -> Tensor:
         return self.generator.get_state()

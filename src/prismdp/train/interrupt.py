@@ -12,10 +12,45 @@ ignored (torchrun's shutdown timeout, 30 s by default, still applies: a step and
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 
-__all__ = ["StopRequest", "TrainingInterrupted"]
+__all__ = ["StopRequest", "TrainingInterrupted", "guard_termination", "termination_requested"]
+
+_taken: dict = {"name": None}  # a SIGTERM the guard took outside the training loop
+
+
+def termination_requested() -> str | None:
+    """The name of a SIGTERM/SIGINT that :func:`guard_termination` took outside the training loop (None if none)."""
+    return _taken["name"]
+
+
+def guard_termination() -> None:
+    """In a multi-process run, take SIGTERM (torchrun's, when another rank died; a scheduler's) as a request
+    instead of a silent death, for the whole run (from the command's start: ``prismdp``'s CLI installs it under
+    torchrun).  Before the process group is up there is nothing to save: the process says why in one line and
+    exits (a dead peer would otherwise leave it waiting in the rendezvous until the timeout).  Afterwards the
+    training loop's :class:`~prismdp.train.interrupt.StopRequest` replaces it while steps run (and starts from a
+    request already taken), and outside the loop (loading, a lost-peer error on its way out, evaluation) the process
+    goes on to its next collective, which either fails with the lost-peer error, printed, or proceeds.  Main thread
+    only; a no-op elsewhere."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def take(signum, frame):
+        name = signal.Signals(signum).name
+        dist = sys.modules.get("torch.distributed")  # (no import here: the signal may come mid-import)
+        if dist is None or not dist.is_available() or not dist.is_initialized():  # still starting: nothing to save
+            print(f"prismdp: error: rank {os.environ.get('RANK', '?')} of {os.environ.get('WORLD_SIZE', '?')}: "
+                  f"{name} while the run was starting: another process of the run stopped or lost its connection "
+                  "(torchrun then stops them all; its error is above), or the run was cancelled. Nothing was "
+                  "trained: run the command again.", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        _taken["name"] = _taken["name"] or name
+
+    signal.signal(signal.SIGTERM, take)
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -56,6 +91,9 @@ class StopRequest:
         if threading.current_thread() is threading.main_thread():
             for s in self.SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
+        taken = termination_requested()  # a SIGTERM taken before the loop (a multi-process run's guard)
+        if taken is not None and self.signame is None:
+            self._handle(signal.Signals[taken].value, None)
         return self
 
     def __exit__(self, *exc) -> None:
