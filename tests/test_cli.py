@@ -566,17 +566,21 @@ def test_threads_hold_for_the_run_only_and_a_resume_may_change_them(tiny_bert_di
 
 def test_the_lora_model_is_built_without_a_warning():
     """peft 0.21 reads transformers 5's deprecated ``is_gradient_checkpointing``: a FutureWarning on every run, about
-    neither this run nor anything the user can change; ``build_lora_model`` builds the PEFT model without it."""
+    neither this run nor anything the user can change; with prismdp's filters in place (``prismdp.quiet``, installed by
+    the command line and the Python API's entry points) ``build_lora_model`` builds the PEFT model without it. The
+    filters are installed after ``simplefilter("error")``, as an entry point installs them after the user's own."""
     import warnings
 
     from transformers import BertConfig, BertForSequenceClassification
 
+    from prismdp import quiet
     from prismdp.train.build import build_lora_model
 
     base = BertForSequenceClassification(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
                                                     num_attention_heads=2, intermediate_size=16))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        quiet.install()
         model, targets, _ = build_lora_model(TrainConfig(rank=2, alpha=4.0), base, "seq_cls")
     assert targets and any("lora_A" in n for n, _ in model.named_parameters())
 
