@@ -21,10 +21,10 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from .base import describe_base
 from .distributed import World, current_world, shard_seed
 from .grad_sample import GradSampler, float32_trainables
 from .lora import LoraPair, RankRStart, find_lora_pairs, freeze_lora_A, move_to_rank_r_start
-from .quantized import keep_canonical_layout
 from .quiet import install as install_quiet
 from .optim import PRISM, dp_adamw, dp_ffa, dp_lamb, dp_lora_plus, dp_lora_rite
 from .privacy import BudgetExhaustedError, PoissonSampler, PrivacyBudget, calibrate_sigma, check_delta, epsilon
@@ -32,7 +32,6 @@ from .privacy.accounting import vacuous_delta_error
 from .privacy.clipping import DPConfig, noise_generator
 from .privacy.mechanism import GaussianMechanism
 from .privacy.secure import SecureRandom
-from .sharding import is_sharded
 
 install_quiet()  # library messages known to be harmless (prismdp.quiet), for the Python API as for the CLI
 
@@ -410,8 +409,6 @@ def make_private(
     if spec.prepare is not None:
         spec.prepare(model, adapter)
     pairs = find_lora_pairs(model, adapter, trainable=spec.trainable)
-    for pair in pairs:  # a quantized base: evaluations compute what training does
-        keep_canonical_layout(pair.layer.get_base_layer())
     float32_trainables(model, pairs)  # a bf16/fp16 base model: the trained tensors stay float32
     grad_sampler = GradSampler(model, pairs)  # refuses trainable parameters it cannot cover
     q = batch_size / dataset_size
@@ -432,6 +429,7 @@ def make_private(
         except RuntimeError as e:  # Opacus' PRV: "Cannot compute epsilon" where delta exceeds what epsilon 0 gives
             raise vacuous_delta_error(delta, accountant, str(e)) from e
     world = world if world is not None else current_world()
+    frozen = describe_base(model, world)  # its layouts kept (evaluations compute what training does); lockstep
     if world is not None:  # one shared noise stream (rank 0's seed), one sampling stream per rank
         base_seed = world.shared_seed(seed)
         data_gen = torch.Generator().manual_seed(shard_seed(base_seed + 1, world.rank))
@@ -461,4 +459,4 @@ def make_private(
     if seed is not None or world is not None:  # dropout masks: a seeded stream per rank, whatever ran before
         torch.manual_seed(shard_seed(base_seed + 2, world.rank if world is not None else 0))
     return PrivateLoRA(model, method, pairs, grad_sampler, optimizer, mechanism, data_sampler, start, delta,
-                       accountant, world, lockstep=world is not None and is_sharded(model))
+                       accountant, world, lockstep=frozen.lockstep)

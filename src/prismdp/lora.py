@@ -39,9 +39,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from . import base as frozen
 from . import geometry
-from .quantized import dequantized_weight, is_nf4
-from .sharding import assign_weight, full_weight
 
 __all__ = [
     "LoraPair",
@@ -117,11 +116,9 @@ def _is_lora_linear(module: nn.Module) -> bool:
 
 def quantized_base(pair: LoraPair) -> str | None:
     """``"4bit"`` / ``"8bit"`` where the pair's base layer holds a bitsandbytes-quantized weight, ``"nf4"`` where it
-    holds a torchao ``NF4Tensor`` (sharded or not), else None."""
-    from peft.utils.integrations import get_bnb_param_type
-
-    weight = pair.layer.get_base_layer().weight
-    return "nf4" if is_nf4(weight) else get_bnb_param_type(weight) or None
+    holds a torchao ``NF4Tensor`` (sharded or not), else None (:func:`prismdp.base.storage_name`)."""
+    name = frozen.storage_name(pair.layer.get_base_layer())
+    return None if name == "float" else name
 
 
 def freeze_lora_A(model: nn.Module, adapter: str = "default") -> None:
@@ -219,28 +216,27 @@ def set_factors(pair: LoraPair, A: Tensor, B: Tensor) -> None:
     wa.copy_(B.T * inv_root)
 
 
-def _base_weight(pair: LoraPair) -> tuple[Tensor, bool]:
-    base = pair.layer.get_base_layer()
-    return base.weight, bool(getattr(pair.layer, "fan_in_fan_out", False))
+def _transposed(pair: LoraPair) -> bool:
+    return bool(getattr(pair.layer, "fan_in_fan_out", False))
 
 
 def base_weight(pair: LoraPair, dtype: torch.dtype = torch.float64) -> Tensor:
-    """The pair's frozen ``W0`` (m, n) in ``dtype``: a quantized weight de-quantized (by bitsandbytes' or torchao's
-    own de-quantization: what the layer multiplies by), a sharded one gathered; one layer only."""
-    kind = quantized_base(pair)
-    if kind == "nf4":  # torchao's NF4, sharded (FSDP: this layer gathered whole, on every rank) or not
-        return full_weight(pair.layer.get_base_layer().weight).get_original_weight().to(dtype)
-    if kind:
-        return dequantized_weight(pair.layer.get_base_layer(), kind).to(dtype)
-    weight, transposed = _base_weight(pair)
-    weight = full_weight(weight)  # a sharded base (FSDP): this layer gathered whole, on every rank
-    return (weight.T if transposed else weight).to(dtype)
+    """The pair's frozen ``W0`` (m, n) in ``dtype``, read through the seam of :mod:`prismdp.base`: a quantized weight
+    de-quantized (by bitsandbytes' or torchao's own de-quantization: what the layer multiplies by), a sharded one
+    gathered; one layer only."""
+    weight = frozen.read_weight(pair.layer.get_base_layer(), dtype)
+    return weight.T if _transposed(pair) else weight
+
+
+def _write_base_weight(pair: LoraPair, value: Tensor) -> None:
+    """Store ``value`` (m, n) as the pair's frozen weight (a float base only, :func:`prismdp.base.write_weight`)."""
+    frozen.write_weight(pair.layer.get_base_layer(), value.T if _transposed(pair) else value)
 
 
 def _start_in_branch(pair: LoraPair) -> bool:
-    """Whether the LoRA branch subtracts ``Z0`` (LoRA dropout, or a quantized base that must not be rewritten)
-    rather than the base weight."""
-    return _dropout_active(pair) or quantized_base(pair) is not None
+    """Whether the LoRA branch subtracts ``Z0`` (LoRA dropout, or a base whose storage cannot take ``W0 - Z0``:
+    :func:`prismdp.base.start_in_base`) rather than the base weight."""
+    return _dropout_active(pair) or not frozen.start_in_base(pair.layer.get_base_layer())
 
 
 def _dropout_active(pair: LoraPair) -> bool:
@@ -436,17 +432,14 @@ class StartDropoutCompensation:
         """Back to plain PEFT LoRA on a base holding ``W0 - Z0``: the same model in eval mode, but in train mode the
         dropout then also hits ``Z0 x`` (the ablation ``prism-no-dropout-comp`` of the benchmarks).  Refused for a
         quantized base, whose weight cannot take ``W0 - Z0``."""
-        quantized = [pair.name for pair in self.pairs if quantized_base(pair)]
+        quantized = [pair.name for pair in self.pairs if not frozen.start_in_base(pair.layer.get_base_layer())]
         if quantized:
             raise LoraSetupError(f"LoRA modules {quantized[:3]} sit on a quantized base weight, which cannot hold "
                                  "W0 - Z0: the rank-r start stays in their LoRA branch. Fix: run this ablation on an "
                                  "unquantized base (no --quantize)")
         for pair in self.pairs:
             lora_A, lora_B = pair.lora_A, pair.lora_B
-            z0 = _start_update(pair, torch.float64)
-            weight, transposed = _base_weight(pair)
-            moved = full_weight(weight).double() - (z0.T if transposed else z0)  # W0 - Z0
-            assign_weight(weight, moved)
+            _write_base_weight(pair, base_weight(pair) - _start_update(pair, torch.float64))  # W0 - Z0
             del pair.layer.get_delta_weight
             for module, buffer in ((lora_A, "start_b0t"), (lora_B, "start_c0")):
                 delattr(module, buffer)
@@ -515,9 +508,7 @@ def move_to_rank_r_start(
                 "existing adapter into the base model first (model.merge_and_unload())."
             )
         if not _start_in_branch(pair):  # with dropout or a quantized W0, the LoRA branch subtracts Z0 (see above)
-            weight, transposed = _base_weight(pair)
-            new_W0 = W0 - A0 @ B0.T
-            assign_weight(weight, new_W0.T if transposed else new_W0)
+            _write_base_weight(pair, W0 - A0 @ B0.T)
         A0, B0 = geometry.balance(A0, B0)
         set_factors(pair, A0.to(pair.lora_B.weight.dtype), B0.to(pair.lora_A.weight.dtype))
         factors.append((A0.float(), (B0.float())))
