@@ -34,7 +34,7 @@ def _imported_names(source: str, package: str) -> set[str]:
 LAYERS = [
     {"quiet"},  # library messages known to be harmless, filtered in one place
     {"atomic", "flags", "base"},  # utilities; the frozen base's storage (the seam: prismdp.base)
-    {"geometry", "privacy", "distributed", "quantized", "sharding", "data", "heads", "losses"},
+    {"geometry", "privacy", "distributed", "processes", "quantized", "sharding", "data", "heads", "losses"},
     {"lora", "models", "eval"},
     {"grad_sample", "export"},
     {"optim"},

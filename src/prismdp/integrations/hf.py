@@ -62,7 +62,6 @@ from ..losses import causal_lm_losses, classification_losses
 from ..distributed import current_world
 from ..privacy.accounting import ACCOUNTANTS, check_delta
 from ..base import is_sharded, prepare_base
-from ..train.loop import REPLICA_CHECK_EVERY
 
 __all__ = ["PrivacyArguments", "PrivateTrainer", "PrivacyMixin", "private_trainer_class", "PRIVACY_STATE_NAME"]
 
@@ -161,8 +160,7 @@ class _StepOptimizer:
         private = self.trainer.private
         self.trainer._last_stats = private.step()
         step = self.trainer.state.global_step + 1  # the Trainer counts the step after the optimizer's
-        if private.world is not None and step % REPLICA_CHECK_EVERY == 0:
-            private.check_replicas(step)  # every rank must hold the same trained tensors
+        private.after_step(step)  # every rank must hold the same trained tensors
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.trainer.private.zero_grad(set_to_none=set_to_none)
