@@ -36,6 +36,7 @@ LAYERS = [
     {"atomic", "flags", "base"},  # utilities; the frozen base's storage (the seam: prismdp.base)
     {"geometry", "privacy", "distributed", "processes", "quantized", "sharding", "data", "heads", "losses"},
     {"lora", "models", "eval"},
+    {"start"},  # the rank-r start of the LoRA pairs
     {"grad_sample", "export"},
     {"optim"},
     {"engine"},
@@ -64,7 +65,7 @@ def test_every_import_goes_down_the_layers():
 
 #: The storage modules behind the seam of prismdp.base (and their old import paths): what is above the seam imports
 #: ``prismdp.base`` itself, never one of these.
-ABOVE_THE_SEAM = ("engine.py", "lora.py")
+ABOVE_THE_SEAM = ("engine.py", "lora.py", "start.py")
 
 
 def _is_storage_module(name: str) -> bool:
@@ -87,6 +88,31 @@ def test_engine_and_lora_import_no_storage_module():
     # full_weight` fails it)
     assert _imported_names("from .base.nf4 import is_nf4\nfrom .base import read_weight\n", "prismdp") == {
         "prismdp.base.nf4", "prismdp.base.nf4.is_nf4", "prismdp.base", "prismdp.base.read_weight"}
+
+
+def _class_assignments(source: str, where: str) -> list[str]:
+    """Assignments to an object's ``__class__`` (an object turned into an instance of another class in place)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            for leaf in ast.walk(t):
+                if isinstance(leaf, ast.Attribute) and leaf.attr == "__class__":
+                    out.append(f"{where}:{node.lineno}: {ast.unparse(leaf)}")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value == "__class__"):
+            out.append(f"{where}:{node.lineno}: setattr(.., '__class__', ..)")
+    return out
+
+
+def test_no_class_assignment_in_src():
+    """No object of src/ changes its class in place (``obj.__class__ = ...``): a module keeps the class it was built
+    with, and behaviour is added through the seams its library supports."""
+    bad = [hit for p in sorted(SRC.rglob("*.py")) for hit in _class_assignments(p.read_text(), str(p.relative_to(SRC)))]
+    assert not bad, bad
+    assert len(_class_assignments("a.__class__, b.__class__ = X, Y\nm.__class__ = nn.Linear\n"
+                                  "setattr(m, '__class__', X)\nx = m.__class__\n", "old")) == 4
 
 
 def _module_patches(source: str, where: str) -> list[str]:

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from .atomic import atomic_path, write_json
-from .lora import LoraPair, RankRStart, get_factors
+from .lora import LoraPair, get_factors
+from .start import RankRStart
 
 __all__ = ["export_adapter"]
 
