@@ -104,19 +104,25 @@ def _start_update(pair: LoraPair, dtype: torch.dtype) -> Tensor:
 
 
 class _StartProduct(torch.autograd.Function):
-    """``x w^T`` with ``w`` one of the start's constant factors: the backward forms the input's gradient only, and
-    only where it flows on (the first LoRA layer, below nothing trainable, skips it).  Named, so that a profile shows
-    what the start in the branch costs (``bench.profile``)."""
+    """``x w^T`` (plus ``add``, in the same product where given) with ``w`` one of the start's constant factors: the
+    backward forms the input's gradient only, and only where it flows on (the first LoRA layer, below nothing
+    trainable, skips it).  Named, so that a profile shows what the start in the branch costs (``bench.profile``)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, w: Tensor, add: Tensor | None = None) -> Tensor:
         ctx.save_for_backward(w)
-        return F.linear(x, w)
+        if add is None:
+            return F.linear(x, w)
+        out = torch.addmm(add.reshape(-1, add.shape[-1]), x.reshape(-1, x.shape[-1]), w.T)
+        return out.view(add.shape)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         (w,) = ctx.saved_tensors
-        return (grad @ w if ctx.needs_input_grad[0] else None), None
+        dx = grad @ w if ctx.needs_input_grad[0] else None
+        if len(ctx.needs_input_grad) == 2:  # called without add
+            return dx, None
+        return dx, None, (grad if ctx.needs_input_grad[2] else None)
 
 
 class StartInBranch:
@@ -142,7 +148,7 @@ class StartInBranch:
             xd = _as(xd, lora_A.weight.dtype)
             h = lora_A(xd)  # W_A drop(x)
             low = _StartProduct.apply(xd, lora_A.start_b0t)  # B0^T drop(x)
-            y = lora_B(h) + _StartProduct.apply(low, lora_B.start_c0)  # W_B h - (A0 / s) B0^T drop(x)
+            y = _StartProduct.apply(low, lora_B.start_c0, lora_B(h))  # W_B h - (A0 / s) B0^T drop(x)
         return result + y * module.scaling[active_adapter]
 
     @staticmethod
