@@ -52,8 +52,7 @@ class _OneLinear(nn.Module):
 
 def _prism_setup(m: int, n: int, r: int, b: int, seed: int = 0):
     from prismdp.grad_sample import PerExampleGrads
-    from prismdp.lora import find_lora_pairs
-    from prismdp.start import move_to_rank_r_start
+    from prismdp.lora import find_lora_pairs, move_to_rank_r_start
     from prismdp.optim import PRISM
     from prismdp.privacy.clipping import DPConfig
     from prismdp.privacy.mechanism import GaussianMechanism

@@ -2,7 +2,7 @@
 workload (built as :mod:`bench` builds them), per step: the matrix flops the profiler counts (exact, independent of
 machine load), the number of operator calls, the summed self CPU time of every operator, and the operators whose
 time or flops differ most from the first variant's.  The compensation of LoRA dropout on the rank-r start
-(``prismdp.start.StartDropoutCompensation``) shows as the ``_StartProduct`` function and its backward node (time
+(``prismdp.lora.start.StartDropoutCompensation``) shows as the ``_StartProduct`` function and its backward node (time
 including their children).
 
     PYTHONPATH=src:. python -m bench.profile --workloads W0,W1,W2 --output bench/results/profile

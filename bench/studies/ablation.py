@@ -32,8 +32,7 @@ VARIANTS = ("current", "per-module", "qr-norms", "always-mask", "all-off", "dp-a
 
 def _setup(base, variant):
     from prismdp.grad_sample import PerExampleGrads
-    from prismdp.lora import find_lora_pairs, stack_by_shape
-    from prismdp.start import move_to_rank_r_start
+    from prismdp.lora import find_lora_pairs, move_to_rank_r_start, stack_by_shape
     from prismdp.optim import PRISM, dp_adamw
     from prismdp.privacy.clipping import DPConfig
     from prismdp.privacy.mechanism import GaussianMechanism

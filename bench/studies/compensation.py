@@ -33,8 +33,7 @@ def _layer(variant: str, m: int, n: int, r: int):
     from peft import LoraConfig, get_peft_model
 
     from prismdp.grad_sample import GradSampler
-    from prismdp.lora import find_lora_pairs
-    from prismdp.start import move_to_rank_r_start
+    from prismdp.lora import find_lora_pairs, move_to_rank_r_start
 
     torch.manual_seed(0)
     model = get_peft_model(_OneLinear(m, n), LoraConfig(r=r, lora_alpha=r, lora_dropout=0.05, target_modules=["proj"]))

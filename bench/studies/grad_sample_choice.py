@@ -17,8 +17,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from prismdp.grad_sample import GradSampler
-from prismdp.lora import find_lora_pairs
-from prismdp.start import move_to_rank_r_start
+from prismdp.lora import find_lora_pairs, move_to_rank_r_start
 from prismdp.losses import classification_losses
 from prismdp.models import default_encoder_path
 from prismdp.train.build import build_lora_model

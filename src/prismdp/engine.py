@@ -24,8 +24,7 @@ from torch import Tensor, nn
 from .base import describe_base
 from .distributed import World, current_world, shard_seed
 from .grad_sample import GradSampler, float32_trainables
-from .lora import LoraPair, find_lora_pairs, freeze_lora_A
-from .start import RankRStart, move_to_rank_r_start
+from .lora import LoraPair, RankRStart, find_lora_pairs, freeze_lora_A, move_to_rank_r_start
 from .quiet import install as install_quiet
 from .optim import PRISM, dp_adamw, dp_ffa, dp_lamb, dp_lora_plus, dp_lora_rite
 from .privacy import BudgetExhaustedError, PoissonSampler, PrivacyBudget, calibrate_sigma, check_delta, epsilon

@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from .atomic import atomic_path, write_json
-from .lora import LoraPair, get_factors
-from .start import RankRStart
+from .lora import LoraPair, RankRStart, get_factors
 
 __all__ = ["export_adapter"]
 

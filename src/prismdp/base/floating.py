@@ -3,7 +3,7 @@ storage the rank-r start may write ``W0 - Z0`` into; registered last, it holds w
 
 from __future__ import annotations
 
-from .sharded import assign_weight, full_weight
+from .dtensor import assign_weight, full_weight
 from .storage import Storage, register_storage
 
 FLOAT = register_storage(Storage("float", holds=lambda layer: True, read=lambda layer: full_weight(layer.weight),

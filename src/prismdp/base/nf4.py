@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ..quiet import install as install_quiet
-from .sharded import full_weight
+from .dtensor import full_weight
 from .storage import Storage, register_storage
 
 __all__ = ["is_nf4", "nf4_scaler_block_size", "to_nf4_weight", "quantize_nf4_layers", "nf4_available",

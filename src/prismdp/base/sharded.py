@@ -33,6 +33,8 @@ from typing import Iterable
 import torch
 from torch import Tensor, nn
 
+from .dtensor import assign_weight, full_weight, is_sharded
+from .nf4 import quantize_nf4_layers
 from .storage import BaseError
 
 __all__ = ["ShardingError", "check_world", "shard_frozen_base", "shard_from_rank0", "is_sharded", "full_weight",
@@ -41,30 +43,6 @@ __all__ = ["ShardingError", "check_world", "shard_frozen_base", "shard_from_rank
 
 class ShardingError(BaseError):
     """The model cannot be sharded as asked."""
-
-
-def is_sharded(model_or_tensor: nn.Module | Tensor) -> bool:
-    """Whether a tensor is a ``DTensor``, or any parameter of a module is."""
-    if isinstance(model_or_tensor, Tensor):
-        return hasattr(model_or_tensor, "device_mesh") and hasattr(model_or_tensor, "full_tensor")
-    return any(is_sharded(p) for p in model_or_tensor.parameters())
-
-
-def full_weight(weight: Tensor) -> Tensor:
-    """``weight`` as one ordinary tensor: a sharded weight is all-gathered (a collective: every rank calls it, in the
-    same order); any other tensor is returned as it is."""
-    return weight.full_tensor() if is_sharded(weight) else weight
-
-
-@torch.no_grad()
-def assign_weight(weight: Tensor, value: Tensor) -> None:
-    """``weight.copy_(value)`` for a full-size ``value`` that every rank holds alike: a sharded ``weight`` keeps only
-    its own shard of it (no communication)."""
-    if is_sharded(weight):
-        from torch.distributed.tensor import distribute_tensor
-
-        value = distribute_tensor(value.to(weight.dtype), weight.device_mesh, weight.placements, src_data_rank=None)
-    weight.copy_(value)
 
 
 def check_world(world) -> None:
@@ -128,8 +106,6 @@ def _quantizer(quantize: str | None, world):
 
     def prepare(name, unit, is_block):
         if quantize and is_block:
-            from .nf4 import quantize_nf4_layers
-
 
             done, left = quantize_nf4_layers(unit, world.size)
             quantized["nf4"] += [f"{name}.{n}" for n in done]

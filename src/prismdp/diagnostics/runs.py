@@ -16,8 +16,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..engine import make_private
-from ..lora import find_lora_pairs, get_factors, set_factors
-from ..start import move_to_rank_r_start
+from ..lora import find_lora_pairs, get_factors, move_to_rank_r_start, set_factors
 from ..models import load_model
 from ..privacy import calibrate_sigma
 from ..train.build import build_lora_model, default_lr

@@ -41,9 +41,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from . import base as frozen
-from . import geometry
-from .lora import LoraPair, LoraSetupError, set_factors
+from .. import base as frozen
+from .. import geometry
+from .pairs import LoraPair, LoraSetupError, set_factors
 
 __all__ = ["RankRStart", "StartDropoutCompensation", "StartInBranch", "move_to_rank_r_start", "base_weight"]
 

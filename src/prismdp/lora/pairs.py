@@ -9,32 +9,20 @@ This module finds and validates the pairs (PEFT's ``lora.Linear``, and its bitsa
 ``Linear8bitLt`` on a quantized base: the per-example taps sit on ``lora_A`` / ``lora_B``, plain ``nn.Linear`` in
 every PEFT LoRA layer, whose input is the layer's input, so the quantized weight never enters the per-example
 gradients) and reads and writes their factors.  How ``W0`` is stored is :mod:`prismdp.base`'s; the rank-r start
-(PEFT's ``W_B = 0`` is off the manifold) is :mod:`prismdp.start`'s, whose public names keep an import from here."""
+(PEFT's ``W_B = 0`` is off the manifold) is :mod:`prismdp.lora.start`'s."""
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from . import base as frozen
+from .. import base as frozen
 
-__all__ = [
-    "LoraPair",
-    "LoraSetupError",
-    "find_lora_pairs",
-    "freeze_lora_A",
-    "get_factors",
-    "set_factors",
-    "RankRStart",
-    "StartDropoutCompensation",
-    "move_to_rank_r_start",
-    "quantized_base",
-    "base_weight",
-]
+__all__ = ["LoraPair", "LoraSetupError", "find_lora_pairs", "freeze_lora_A", "get_factors", "set_factors",
+           "stack_by_shape", "quantized_base"]
 
 
 class LoraSetupError(ValueError):
@@ -196,13 +184,3 @@ def set_factors(pair: LoraPair, A: Tensor, B: Tensor) -> None:
     wb.copy_(A * inv_root)
     wa.copy_(B.T * inv_root)
 
-
-#: The rank-r start's public names, moved to :mod:`prismdp.start`, keep their import from here for now.  Served on
-#: first use (PEP 562): :mod:`prismdp.start` imports this module, so this one must not import it while it loads.
-_MOVED_TO_START = ("RankRStart", "StartDropoutCompensation", "move_to_rank_r_start", "base_weight")
-
-
-def __getattr__(name: str):
-    if name in _MOVED_TO_START:
-        return getattr(importlib.import_module("prismdp.start"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
