@@ -10,7 +10,7 @@ Model (stated, not fitted to the answer):
 * Mechanism flops per module (m x n, rank r), from the code: per example ``2 (2m + n) r^2`` (the r x r Gram norms)
   and ``2 (m + n) r`` (the clipped sums); per step ``~40 (m + n) r^2`` (frames, lift, noise, adaptive step,
   retraction, alignment).
-* The exact compensation of LoRA dropout on PRISM's rank-r start (``prismdp.lora.StartDropoutCompensation``, every
+* The exact compensation of LoRA dropout on PRISM's rank-r start (``prismdp.lora.start.StartDropoutCompensation``, every
   started module with dropout): its LoRA branch computes ``(Z - Z0) drop(x)`` with products of width 2r instead of
   r, ``4 (m + n) r`` more flops per token and module (forward ``2 (m + n) r``, input gradient ``2 (m + n) r``; an
   upper bound: the first layer's input gradient is skipped).  Checked against the profiler's exact flop count

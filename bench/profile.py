@@ -2,8 +2,8 @@
 workload (built as :mod:`bench` builds them), per step: the matrix flops the profiler counts (exact, independent of
 machine load), the number of operator calls, the summed self CPU time of every operator, and the operators whose
 time or flops differ most from the first variant's.  The compensation of LoRA dropout on the rank-r start
-(``prismdp.lora.StartDropoutCompensation``) shows as the ``_StartedProject`` / ``_StartedCombine`` functions and
-their backward nodes (time including their children).
+(``prismdp.lora.start.StartDropoutCompensation``) shows as the ``_StartProduct`` function and its backward node (time
+including their children).
 
     PYTHONPATH=src:. python -m bench.profile --workloads W0,W1,W2 --output bench/results/profile
 
@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench.common import environment, write
 from bench.workloads import WORKLOADS, build_variant
 
-COMP = ("_StartedProject", "_StartedCombine")  # the started pairs' fused LoRA branch (forward and backward nodes)
+COMP = ("_StartProduct",)  # the started pairs' products with the start's factors (forward and backward nodes)
 
 
 def _steppers(workload: str, variants: List[str]) -> Dict[str, Callable[[], None]]:

@@ -10,7 +10,7 @@ Variants (:func:`available_variants`; the default run is :data:`VARIANTS`):
 * every method registered in :data:`prismdp.engine.METHODS` (``make_private(method=...)``), e.g. ``dp-adamw``
                       (prismdp's factor-space DP-AdamW) and ``prism``.
 * ``prism-no-dropout-comp`` (opt-in ablation, not in the default run) PRISM without what keeps LoRA dropout off the
-                      rank-r start (``prismdp.lora.StartDropoutCompensation``, removed: plain LoRA on a base holding
+                      rank-r start (``prismdp.lora.start.StartDropoutCompensation``, removed: plain LoRA on a base holding
                       ``W0 - Z0``, not exact in train mode): its cost.
 * ``prism-secure``, ``dp-adamw-secure`` (opt-in) the same with ``secure_noise=True``: noise and Poisson
                       inclusions from OS-keyed ChaCha20, noise as Holohan-Braghin sums of four normals

@@ -309,7 +309,7 @@ def fsdp_build(rank: int, world_size: int, init_file: str, out: str, cfg: dict) 
 
         from prismdp.quantized import is_nf4
         from prismdp.sharding import full_weight
-        from prismdp.train import build
+        from prismdp.base import sharded
         from prismdp.train.build import build_run
         from prismdp.train.config import TrainConfig
 
@@ -328,14 +328,14 @@ def fsdp_build(rank: int, world_size: int, init_file: str, out: str, cfg: dict) 
             return shard(module, **kw)
 
         fsdp.fully_shard = measuring
-        whole_dtypes, send = [], build.shard_from_rank0
+        whole_dtypes, send = [], sharded.shard_from_rank0
 
         def sending(model, world, whole, **kw):  # the dtype of the frozen base rank 0 read
             if whole is not None:
                 whole_dtypes.append(whole.get_base_model().get_input_embeddings().weight.dtype)
             return send(model, world, whole, **kw)
 
-        build.shard_from_rank0 = sending
+        sharded.shard_from_rank0 = sending
         world = _init(rank, world_size, init_file)
         run = build_run(TrainConfig(**cfg), world=world, log=lambda *a: None)
         state = {k: full_weight(v).detach() for k, v in run.model.state_dict().items()}

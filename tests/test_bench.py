@@ -178,7 +178,7 @@ def test_extrapolation_fits_the_micro_benchmark_and_reports_shares():
 
 
 def test_profile_counts_the_compensations_flops_and_time(tmp_path):
-    """bench.profile on the tiny BERT: PRISM's fused compensation shows as extra matrix flops and as time under its
+    """bench.profile on the tiny BERT: PRISM's compensation shows as extra matrix flops and as time under its
     autograd functions; without the compensation neither appears."""
     from bench.profile import main as profile_main
 

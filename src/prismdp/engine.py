@@ -21,22 +21,23 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from .base import describe_base
 from .distributed import World, current_world, shard_seed
 from .grad_sample import GradSampler, float32_trainables
 from .lora import LoraPair, RankRStart, find_lora_pairs, freeze_lora_A, move_to_rank_r_start
-from .quantized import keep_canonical_layout
 from .quiet import install as install_quiet
 from .optim import PRISM, dp_adamw, dp_ffa, dp_lamb, dp_lora_plus, dp_lora_rite
 from .privacy import BudgetExhaustedError, PoissonSampler, PrivacyBudget, calibrate_sigma, check_delta, epsilon
+from .processes import REPLICA_CHECK_EVERY, OneProcess, micro_step_protocol
 from .privacy.accounting import vacuous_delta_error
 from .privacy.clipping import DPConfig, noise_generator
 from .privacy.mechanism import GaussianMechanism
 from .privacy.secure import SecureRandom
-from .sharding import is_sharded
 
 install_quiet()  # library messages known to be harmless (prismdp.quiet), for the Python API as for the CLI
 
-__all__ = ["make_private", "PrivateLoRA", "METHODS", "MethodSpec", "register_method", "set_dense_lr", "to_device"]
+__all__ = ["make_private", "PrivateLoRA", "METHODS", "MethodSpec", "register_method", "set_dense_lr", "to_device",
+           "REPLICA_CHECK_EVERY"]
 
 @dataclass
 class MethodSpec:
@@ -157,10 +158,12 @@ class PrivateLoRA:
     delta: float
     accountant: str
     world: World | None = None  # the process group of a multi-process run (prismdp.distributed)
-    lockstep: bool = False  # forward passes are collectives (a sharded base, prismdp.sharding): see idle()
+    lockstep: bool = False  # forward passes are collectives (a sharded base, prismdp.base): see prismdp.processes
     _seen: int = field(default=0, repr=False)
+    processes: OneProcess = field(init=False, repr=False)  # how the micro-steps run across the processes
 
     def __post_init__(self):
+        self.processes = micro_step_protocol(self.world, self.lockstep)  # chosen once, here
         # the parameters that can hold a gradient, listed once: model.zero_grad() walks every module of the model at
         # each call (0.76 ms of host time per call on Llama-3.2-1B's structure with PEFT LoRA, 1,017 modules, on
         # this project's CPU; 2-3 calls per step)
@@ -221,15 +224,8 @@ class PrivateLoRA:
 
     def step(self) -> dict[str, float]:
         """One optimizer step for the logical batch; returns its statistics (clip fraction, batch size, ...)."""
-        if not self.private:
-            seen = self._seen
-            if self.world is not None:  # the mean over every rank's examples
-                for p in self._trained:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                count = torch.tensor([float(seen)], dtype=torch.float64)
-                self.world.all_reduce_sum([p.grad for p in self._trained] + [count], "non-private gradient mean")
-                seen = int(count.item())
+        if not self.private:  # the mean over every rank's examples
+            seen = self.processes.sum_gradients(self._trained, self._seen)
             if seen:
                 for p in self._trained:
                     if p.grad is not None:
@@ -241,6 +237,25 @@ class PrivateLoRA:
         if self.private:
             stats = dict(self.optimizer.last_stats)
         return stats
+
+    def run_micro_steps(self, micros: Sequence[tuple[list[int], list[int] | None]],
+                        micro_step: Callable[[list[int], list[int] | None], None],
+                        stand_in: Callable[[], Tensor]) -> None:
+        """Run one logical step's micro-batches as this run's processes need (:mod:`prismdp.processes`):
+        ``micro_step(indices, groups)`` for each micro-batch with examples; where the ranks run in lockstep (a
+        sharded base) a rank with fewer micro-batches also runs idle ones, ``stand_in()`` (losses of a stand-in
+        forward) under :meth:`idle`, their gradient discarded."""
+        def idle_step() -> None:
+            with self.idle():
+                stand_in().sum().mul(0.0).backward()
+
+        self.processes.run(micros, micro_step, idle_step)
+
+    def after_step(self, step: int, checkpoint: bool = False) -> None:
+        """The multi-process checks after logical step ``step``: every rank must hold the same trained tensors
+        (compared every :data:`~prismdp.processes.REPLICA_CHECK_EVERY` steps and at a ``checkpoint``; no-op in one
+        process)."""
+        self.processes.check_replicas(self._trained, step, force=checkpoint)
 
     @contextlib.contextmanager
     def idle(self) -> Iterator[None]:
@@ -263,8 +278,7 @@ class PrivateLoRA:
 
     def check_replicas(self, step: int) -> None:
         """Multi-process runs: fail loudly unless every rank holds the same trained tensors (no-op in one process)."""
-        if self.world is not None:
-            self.world.check_replicas(self._trained, step)
+        self.processes.check_replicas(self._trained, step, force=True)
 
     @property
     def epsilon(self) -> float:
@@ -385,6 +399,33 @@ def make_private(
     ``allow_large_delta``.
     """
     install_quiet()
+    spec, rank_r_start = _check_arguments(method, dataset_size, batch_size, steps, target_epsilon, noise_multiplier,
+                                          seed, secure_noise, noise_threads, rank_r_start)
+    pairs, grad_sampler = _wire_model(model, spec, adapter)
+    dp, budget = _calibrate(target_epsilon, noise_multiplier, delta, max_grad_norm, batch_size, dataset_size, steps,
+                            accountant, allow_large_delta)
+    world = world if world is not None else current_world()
+    frozen = describe_base(model, world)  # its layouts kept (evaluations compute what training does); lockstep
+    streams = _Streams.make(seed, world, secure_noise, noise_threads, pairs[0].lora_A.weight.device, dp is not None)
+    mechanism = None
+    if dp is not None:
+        mechanism = GaussianMechanism(dp, generator=streams.noise, budget=budget, device=streams.device,
+                                      reduce=world.all_reduce_sum if world is not None else None)
+    if start is None and rank_r_start:
+        start = move_to_rank_r_start(pairs, init=init, generator=torch.Generator().manual_seed(streams.seed + 2))
+    optimizer = _build_optimizer(spec, pairs, grad_sampler, lr, mechanism, dense_lr, method_kwargs)
+    data_sampler = PoissonSampler(dataset_size, batch_size / dataset_size, steps, generator=streams.data,
+                                  shard=(world.rank, world.size) if world is not None else (0, 1))
+    if seed is not None or world is not None:
+        streams.seed_dropout(world)
+    return PrivateLoRA(model, method, pairs, grad_sampler, optimizer, mechanism, data_sampler, start, delta,
+                       accountant, world, lockstep=frozen.lockstep)
+
+
+def _check_arguments(method, dataset_size, batch_size, steps, target_epsilon, noise_multiplier, seed, secure_noise,
+                     noise_threads, rank_r_start) -> tuple[MethodSpec, bool]:
+    """``make_private``'s arguments checked (before anything is changed or drawn); returns the method's spec and
+    whether the run starts from the rank-r point."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {sorted(METHODS)}")
     if not (isinstance(dataset_size, int) and dataset_size > 0):
@@ -407,58 +448,86 @@ def make_private(
     elif spec.rank_r_start and not rank_r_start:
         raise ValueError(f"method {method!r} trains on the rank-r manifold and needs the rank-r start "
                          "(rank_r_start=False is not possible)")
+    return spec, rank_r_start
+
+
+def _wire_model(model: nn.Module, spec: MethodSpec, adapter: str) -> tuple[list[LoraPair], GradSampler]:
+    """The method's preparation (e.g. ``lora_A`` frozen), the LoRA pairs it trains, the trained tensors in float32
+    and the taps of the per-example gradients (refusing trainable parameters they cannot cover)."""
     if spec.prepare is not None:
         spec.prepare(model, adapter)
     pairs = find_lora_pairs(model, adapter, trainable=spec.trainable)
-    for pair in pairs:  # a quantized base: evaluations compute what training does
-        keep_canonical_layout(pair.layer.get_base_layer())
     float32_trainables(model, pairs)  # a bf16/fp16 base model: the trained tensors stay float32
-    grad_sampler = GradSampler(model, pairs)  # refuses trainable parameters it cannot cover
+    return pairs, GradSampler(model, pairs)
+
+
+def _calibrate(target_epsilon, noise_multiplier, delta, max_grad_norm, batch_size, dataset_size, steps, accountant,
+               allow_large_delta) -> tuple[DPConfig | None, PrivacyBudget | None]:
+    """The mechanism's settings and budget (sigma calibrated for exactly ``steps`` Poisson steps where
+    ``target_epsilon`` is given); (None, None) for a non-private run.  The whole run must fit in the budget."""
+    if target_epsilon is None and noise_multiplier is None:
+        return None, None
     q = batch_size / dataset_size
-    dp = budget = None
-    if target_epsilon is not None or noise_multiplier is not None:
-        check_delta(delta, dataset_size, allow_large=allow_large_delta)
-        try:
-            if target_epsilon is not None:
-                noise_multiplier = calibrate_sigma(target_epsilon, delta, q, steps, accountant=accountant)
-            dp = DPConfig(float(noise_multiplier), float(max_grad_norm), float(batch_size))
-            budget = PrivacyBudget(dp.noise_multiplier, q, delta, target_epsilon=target_epsilon, accountant=accountant)
-            budget.check_step(steps)  # the whole run fits in the budget, or fail now
-            spent = epsilon(dp.noise_multiplier, q, steps, delta, accountant) if allow_large_delta else 0.0
-            if spent < 0:  # only a large delta can make it negative
-                raise vacuous_delta_error(delta, accountant, f"epsilon {spent:.3g} after {steps} steps")
-        except BudgetExhaustedError:
-            raise
-        except RuntimeError as e:  # Opacus' PRV: "Cannot compute epsilon" where delta exceeds what epsilon 0 gives
-            raise vacuous_delta_error(delta, accountant, str(e)) from e
-    world = world if world is not None else current_world()
-    if world is not None:  # one shared noise stream (rank 0's seed), one sampling stream per rank
-        base_seed = world.shared_seed(seed)
-        data_gen = torch.Generator().manual_seed(shard_seed(base_seed + 1, world.rank))
-    else:
-        base_seed = seed if seed is not None else secrets.randbits(62)  # no seed: fresh OS entropy
-        data_gen = torch.Generator().manual_seed(base_seed + 1)
-    device = pairs[0].lora_A.weight.device
-    mechanism = None
-    if secure_noise:  # one shared noise key (rank 0's, broadcast), one sampling key per rank
-        data_gen = SecureRandom()
-    if dp is not None:
-        if secure_noise:
-            gen = SecureRandom(world.shared_key() if world is not None else None, threads=noise_threads)
-        else:  # the parameters' device draws the noise, with its own generator (Philox on CUDA)
-            gen = noise_generator(device, seed=base_seed)
-        mechanism = GaussianMechanism(dp, generator=gen, budget=budget, device=device,
-                                      reduce=world.all_reduce_sum if world is not None else None)
-    if start is None and rank_r_start:
-        start = move_to_rank_r_start(pairs, init=init, generator=torch.Generator().manual_seed(base_seed + 2))
+    check_delta(delta, dataset_size, allow_large=allow_large_delta)
+    try:
+        if target_epsilon is not None:
+            noise_multiplier = calibrate_sigma(target_epsilon, delta, q, steps, accountant=accountant)
+        dp = DPConfig(float(noise_multiplier), float(max_grad_norm), float(batch_size))
+        budget = PrivacyBudget(dp.noise_multiplier, q, delta, target_epsilon=target_epsilon, accountant=accountant)
+        budget.check_step(steps)  # the whole run fits in the budget, or fail now
+        spent = epsilon(dp.noise_multiplier, q, steps, delta, accountant) if allow_large_delta else 0.0
+        if spent < 0:  # only a large delta can make it negative
+            raise vacuous_delta_error(delta, accountant, f"epsilon {spent:.3g} after {steps} steps")
+    except BudgetExhaustedError:
+        raise
+    except RuntimeError as e:  # Opacus' PRV: "Cannot compute epsilon" where delta exceeds what epsilon 0 gives
+        raise vacuous_delta_error(delta, accountant, str(e)) from e
+    return dp, budget
+
+
+def _build_optimizer(spec: MethodSpec, pairs, grad_sampler: GradSampler, lr, mechanism, dense_lr, method_kwargs):
+    """The method's optimizer on the pairs and the dense trainables (their own rate ``dense_lr``); the taps armed
+    where the run is private (per-example gradients are recorded from then on)."""
     optimizer = spec.build(pairs, grad_sampler.dense_params, lr=lr, mechanism=mechanism, **method_kwargs)
     if dense_lr is not None and grad_sampler.dense_params:
         set_dense_lr(optimizer, grad_sampler.dense_params, dense_lr)
     if mechanism is not None:
         grad_sampler.arm()
-    data_sampler = PoissonSampler(dataset_size, q, steps, generator=data_gen,
-                                  shard=(world.rank, world.size) if world is not None else (0, 1))
-    if seed is not None or world is not None:  # dropout masks: a seeded stream per rank, whatever ran before
-        torch.manual_seed(shard_seed(base_seed + 2, world.rank if world is not None else 0))
-    return PrivateLoRA(model, method, pairs, grad_sampler, optimizer, mechanism, data_sampler, start, delta,
-                       accountant, world, lockstep=world is not None and is_sharded(model))
+    return optimizer
+
+
+@dataclass
+class _Streams:
+    """The random streams of a run, from one root ``seed``: the noise (one stream shared by every rank: rank 0's
+    seed, or with ``secure_noise`` rank 0's ChaCha20 key, broadcast), the Poisson sampling (one stream per rank), the
+    random rank-r start (``seed + 2``) and the dropout masks (:meth:`seed_dropout`)."""
+
+    seed: int
+    data: object  # torch.Generator or SecureRandom
+    noise: object | None  # the mechanism's generator; None for a non-private run
+    device: torch.device
+
+    @classmethod
+    def make(cls, seed, world, secure_noise, noise_threads, device, private: bool) -> _Streams:
+        if world is not None:  # one shared noise stream (rank 0's seed), one sampling stream per rank
+            root = world.shared_seed(seed)
+            data = torch.Generator().manual_seed(shard_seed(root + 1, world.rank))
+        else:
+            root = seed if seed is not None else secrets.randbits(62)  # no seed: fresh OS entropy
+            data = torch.Generator().manual_seed(root + 1)
+        noise = None
+        if secure_noise:  # one shared noise key (rank 0's, broadcast), one sampling key per rank
+            data = SecureRandom()
+        if private:
+            if secure_noise:
+                noise = SecureRandom(world.shared_key() if world is not None else None, threads=noise_threads)
+            else:  # the parameters' device draws the noise, with its own generator (Philox on CUDA)
+                noise = noise_generator(device, seed=root)
+        return cls(root, data, noise, device)
+
+    def seed_dropout(self, world) -> None:
+        """Seed torch's global generator with this rank's own stream: dropout (``nn.Dropout``) takes no generator and
+        draws its masks from the global one, so a seeded (or multi-process) run seeds it here, where the run's seed
+        becomes its streams, and last, so that a front end's earlier draws and the random start do not move the
+        masks; each rank gets its own stream (its examples get independent masks)."""
+        torch.manual_seed(shard_seed(self.seed + 2, world.rank if world is not None else 0))

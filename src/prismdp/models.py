@@ -31,7 +31,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .quantized import keep_canonical_layout
+from .base import keep_layouts
+from .base.bnb import BNB_INSTALL, BNB_MIN_CPU, bitsandbytes  # noqa: F401  (BNB_*: kept importable from here)
 
 __all__ = [
     "ModelLoadError",
@@ -49,8 +50,6 @@ __all__ = [
 ]
 
 QUANTIZE = ("4bit", "8bit")
-BNB_MIN_CPU = (0, 50)  # the bitsandbytes release whose CPU backend carries prismdp's tests (4- and 8-bit training)
-BNB_INSTALL = "pip install 'bitsandbytes>=0.50'"
 # The new head of a sequence-classification model, trained whole (PEFT's SEQ_CLS ``modules_to_save``): kept in float
 # under a quantized base, as QLoRA keeps it (transformers' default skips miss a head with a bias: issue 42)
 SEQ_CLS_HEADS = ("classifier", "score")
@@ -274,18 +273,11 @@ def whole_read_note(name_or_path, task_type: str, dtype: torch.dtype, nbytes: in
 
 
 def _bitsandbytes(device=None):
-    """bitsandbytes, or a :class:`ModelLoadError` naming the fix: it must be installed, and on the CPU it must be a
-    release with a CPU backend (0.50 and later here; on CUDA any recent one)."""
+    """bitsandbytes, or a :class:`ModelLoadError` naming the fix (:func:`prismdp.base.bnb.bitsandbytes`)."""
     try:
-        import bitsandbytes
+        return bitsandbytes(device)
     except ImportError as e:
-        raise ModelLoadError(f"a quantized base (--quantize) needs bitsandbytes: {BNB_INSTALL} ({e}); or train "
-                             "without --quantize (e.g. --dtype bfloat16)") from e
-    version = tuple(int(p) for p in bitsandbytes.__version__.split(".")[:2] if p.isdigit())
-    if torch.device(device or "cpu").type == "cpu" and version < BNB_MIN_CPU:
-        raise ModelLoadError(f"bitsandbytes {bitsandbytes.__version__} has no CPU backend for a quantized base: "
-                             f"{BNB_INSTALL} --upgrade, or train on a CUDA GPU (--device cuda), or without --quantize")
-    return bitsandbytes
+        raise ModelLoadError(str(e)) from e
 
 
 def _bnb_config(quantize: str, dtype: torch.dtype, skip=None):
@@ -314,7 +306,7 @@ def _quantized_linear(linear: torch.nn.Linear, quantize: str, dtype: torch.dtype
     if bias is not None:
         new.bias = torch.nn.Parameter(bias.data, requires_grad=False)
     new = new.to(device)  # bitsandbytes quantizes the weight when it is moved to its device
-    keep_canonical_layout(new)
+    keep_layouts(new)
     return new
 
 
@@ -365,7 +357,7 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
     loaded by :func:`load_tokenizer` (not loaded again).  ``quantize`` ``"4bit"`` / ``"8bit"``: the base in
     bitsandbytes' NF4 / int8 (compute dtype ``dtype``), loaded on ``device`` (default cpu).  ``meta=True``: the same
     model built on the meta device from its configuration, no weight read and no random number drawn (the processes
-    of a sharded run other than rank 0, which receive their shards from it: :func:`prismdp.sharding.shard_from_rank0`).
+    of a sharded run other than rank 0, which receive their shards from it: :func:`prismdp.base.prepare_base`).
     """
     from .heads import POOLINGS, MeanPoolingClassifier
 
@@ -447,8 +439,7 @@ def load_model(name_or_path: Union[str, os.PathLike, None], task_type: str, num_
             if device is not None:
                 model.to(device)
     if quantize is not None:
-        for module in model.modules():  # evaluations compute what training does (see keep_canonical_layout)
-            keep_canonical_layout(module)
+        keep_layouts(model)  # evaluations compute what training does (prismdp.base.bnb.keep_canonical_layout)
     _ensure_pad(model, tokenizer, task_type, what)
     model.eval()
     return model, tokenizer

@@ -27,7 +27,7 @@ of its own batching, loss and optimizer:
   and ``train(resume_from_checkpoint=...)`` continues exactly;
 * under ``torchrun`` it is prismdp's multi-process engine (:mod:`prismdp.distributed`): the model is never run through
   DDP, so no gradient is all-reduced outside the mechanism; with the Trainer's FSDP settings (``fsdp=...``) the frozen
-  base is sharded by prismdp (:mod:`prismdp.sharding`, FSDP2) and the LoRA factors stay whole on every process.
+  base is sharded by prismdp (:func:`prismdp.base.prepare_base`, FSDP2) and the LoRA factors stay whole on every process.
 
 What breaks the accounting is refused, with the reason: an ``IterableDataset``, ``group_by_length``,
 ``auto_find_batch_size``, ``gradient_accumulation_steps`` (the logical batch is ``expected_batch_size``),
@@ -61,8 +61,7 @@ from ..export import export_adapter
 from ..losses import causal_lm_losses, classification_losses
 from ..distributed import current_world
 from ..privacy.accounting import ACCOUNTANTS, check_delta
-from ..sharding import is_sharded, shard_frozen_base
-from ..train.loop import REPLICA_CHECK_EVERY
+from ..base import is_sharded, prepare_base
 
 __all__ = ["PrivacyArguments", "PrivateTrainer", "PrivacyMixin", "private_trainer_class", "PRIVACY_STATE_NAME"]
 
@@ -161,8 +160,7 @@ class _StepOptimizer:
         private = self.trainer.private
         self.trainer._last_stats = private.step()
         step = self.trainer.state.global_step + 1  # the Trainer counts the step after the optimizer's
-        if private.world is not None and step % REPLICA_CHECK_EVERY == 0:
-            private.check_replicas(step)  # every rank must hold the same trained tensors
+        private.after_step(step)  # every rank must hold the same trained tensors
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.trainer.private.zero_grad(set_to_none=set_to_none)
@@ -240,10 +238,11 @@ class PrivacyMixin:
         targs = dataclasses.replace(targs, max_steps=steps or 1, max_grad_norm=0.0, ignore_data_skip=True,
                                     **({"fsdp": "", "fsdp_config": None} if shard else {}))
         super().__init__(model=model, args=targs, **kwargs)
-        if shard:
-            shard_frozen_base(self.model, current_world())
+        if shard:  # the one sharding path of prismdp train --fsdp, on a model every rank built whole
+            prepare_base(self.model, fsdp=True, world=current_world())
             # the Trainer still wraps the model in DDP (never run: training_step uses self.model); DDP must not
-            # broadcast the sharded weights (DTensors) when it is built
+            # broadcast the sharded weights (DTensors) when it is built.  torch's DDP has no public way to leave
+            # parameters out (this sets the attribute its constructor reads); see docs/architecture.md
             torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
                 self.model, [n for n, p in self.model.named_parameters() if is_sharded(p)])
         _warn_if_preparation_dropped(len(dataset), len(self.train_dataset))

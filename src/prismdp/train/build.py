@@ -10,13 +10,12 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
+from ..base import BaseError, FrozenBase, ShardingError, check_base, prepare_base
 from ..distributed import World
 from ..engine import METHODS, PrivateLoRA, make_private
 from ..models import (enable_gradient_checkpointing, load_model, load_tokenizer, model_skeleton, stored_dtype,
                       whole_read_note)
 from ..privacy import check_delta
-from ..quantized import nf4_available
-from ..sharding import check_world, shard_from_rank0
 from .config import ConfigError, TrainConfig
 from .tasks import TaskData, build_task_data, default_targets, lora_exclude_modules, task_head
 
@@ -36,6 +35,7 @@ class Run:
     device: torch.device
     num_labels: int | None
     world: World | None = None
+    base: FrozenBase | None = None  # how the frozen base is stored (prismdp.base)
 
 
 def check_method(method: str) -> None:
@@ -112,20 +112,10 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
     training examples before the run is made private (the audit's input canaries): they are then part of the dataset
     the sample rate and the accountant see."""
     check_method(cfg.method)
-    if cfg.fsdp:
-        check_world(world)
-        if cfg.quantize == "8bit":
-            raise ConfigError("--fsdp with --quantize 8bit: FSDP cannot shard bitsandbytes' int8 weights. Fix: "
-                              "--quantize 4bit (sharded as torchao's NF4), or shard a bf16 base (--fsdp --dtype "
-                              "bfloat16), or quantize it in each process (--quantize 8bit without --fsdp)")
-        if cfg.quantize:
-            try:
-                nf4_available()
-            except ImportError as e:
-                raise ConfigError(str(e)) from None
+    _check_base(cfg, world)
+    device = cfg.torch_device(world)
     lr = cfg.lr if cfg.lr is not None else default_lr(cfg)
     torch.manual_seed(cfg.seed)  # the same initial model on every rank (seeds every CUDA device too)
-    device = cfg.torch_device(world)
     task_type, num_labels = task_head(cfg)
     # Everything that can be checked without the weights is checked before loading them (minutes on an 8B model):
     # the data (read with the tokenizer alone), delta against its size, and the LoRA targets on a meta-device model.
@@ -135,17 +125,12 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
         extend_data(data, tokenizer, num_labels)
     if cfg.dp:
         check_delta(cfg.delta, data.n_units, allow_large=cfg.allow_large_delta, unit=cfg.privacy_unit)
-    # --fsdp: every rank builds the model on the meta device, which is also the skeleton; rank 0 alone reads the
-    # weights (below)
+
     def load(dtype=None, **kw):
         return load_model(cfg.model, task_type, num_labels, dtype=dtype or cfg.torch_dtype(), pooling=cfg.pooling,
                           tokenizer=tokenizer, **kw)[0]
 
-    skeleton = load(meta=True) if cfg.fsdp else model_skeleton(cfg.model, task_type, num_labels, pooling=cfg.pooling)
-    if skeleton is not None:
-        check_targets(skeleton, cfg.target_modules or default_targets(skeleton))
-    model = skeleton if cfg.fsdp else load(quantize=cfg.quantize, device=device if cfg.quantize else None)
-    del skeleton
+    model = _load_checked(cfg, load, task_type, num_labels, device)
     check_lengths(model, data)
     for message in data.warnings:
         log(f"[prismdp] warning: {message}")
@@ -158,30 +143,16 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
     for name, reason in data.gen_eval_missing.items():
         log(f"[prismdp] eval set {name} is missing (reported in summary.json): {reason}")
     model, targets, exclude = build_lora_model(cfg, model, task_type)
-    if cfg.fsdp:  # rank 0 reads the weights into host memory, LoRA on them as on the skeleton
-        whole = None
-        if world.rank == 0:
-            # a causal LM is read in its stored dtype (memory-mapped: page cache, not a converted copy) and converted
-            # tensor by tensor as the units are sent; a new classification head would be initialised in the stored
-            # dtype, so other tasks read in --dtype, as one process does
-            read = (stored_dtype(cfg.model, task_type) if task_type == "causal_lm" else None) or cfg.torch_dtype()
-            note = whole_read_note(cfg.model, task_type, read,
-                                   sum(p.numel() * p.element_size() for p in model.parameters()))
-            if note:
-                log(f"[prismdp] warning: --fsdp: {note}")
-            whole = build_lora_model(cfg, load(dtype=read), task_type)[0]
-    elif not cfg.quantize:  # a quantized base is loaded on its device (bitsandbytes quantizes it there)
-        model = model.to(device)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    if cfg.fsdp:  # before make_private: its rank-r start then gathers W0 one layer at a time
-        held = shard_from_rank0(model, world, whole, quantize="nf4" if cfg.quantize else None)
-        del whole
-        if cfg.quantize:
-            left = held["float"]
-            log(f"[prismdp] 4-bit base sharded (torchao NF4): {len(held['nf4'])} linear layers"
-                + (f"; {len(left)} left in --dtype (not whole NF4 blocks of 64, or its rows or scale groups do not "
-                   f"split into {world.size} shards): {left[:3]}" if left else ""))
+    # before make_private: its rank-r start then reads W0 one layer at a time (gathered, de-quantized)
+    base = prepare_base(model, cfg.quantize, cfg.fsdp, cfg.torch_dtype(), world, device=device,
+                        whole=_whole_on_rank0(cfg, load, task_type, model, world, log))
+    if cfg.fsdp and cfg.quantize:
+        left = base.held["float"]
+        log(f"[prismdp] 4-bit base sharded (torchao NF4): {len(base.held['nf4'])} linear layers"
+            + (f"; {len(left)} left in --dtype (not whole NF4 blocks of 64, or its rows or scale groups do not "
+               f"split into {world.size} shards): {left[:3]}" if left else ""))
     private = make_private(
         model, method=cfg.method, lr=lr, dataset_size=data.n_units, batch_size=cfg.batch_size, steps=cfg.steps,
         target_epsilon=cfg.epsilon if cfg.dp and cfg.sigma is None else None,
@@ -191,4 +162,42 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
         secure_noise=cfg.secure_noise, noise_threads=cfg.noise_threads, allow_large_delta=cfg.allow_large_delta,
         **make_private_kwargs, **cfg.method_kwargs,
     )
-    return Run(cfg, model, tokenizer, data, private, lr, targets, exclude, device, num_labels, world)
+    return Run(cfg, model, tokenizer, data, private, lr, targets, exclude, device, num_labels, world, base)
+
+
+def _load_checked(cfg: TrainConfig, load, task_type: str, num_labels: int | None, device: torch.device) -> nn.Module:
+    """The model LoRA goes on, its LoRA targets checked on a meta-device skeleton before any weight is read.
+    ``--fsdp``: the skeleton itself, built alike on every rank (rank 0 alone reads the weights:
+    :func:`_whole_on_rank0`); otherwise the loaded model (a quantized base is loaded on its device, where bitsandbytes
+    quantizes it)."""
+    skeleton = load(meta=True) if cfg.fsdp else model_skeleton(cfg.model, task_type, num_labels, pooling=cfg.pooling)
+    if skeleton is not None:
+        check_targets(skeleton, cfg.target_modules or default_targets(skeleton))
+    return skeleton if cfg.fsdp else load(quantize=cfg.quantize, device=device if cfg.quantize else None)
+
+
+def _whole_on_rank0(cfg: TrainConfig, load, task_type: str, skeleton: nn.Module, world: World | None, log):
+    """``--fsdp``, rank 0: the whole model read into host memory with LoRA on it as on ``skeleton``, the values the
+    shards are made of (:func:`prismdp.base.prepare_base`); None elsewhere.  A causal LM is read in its stored dtype
+    (memory-mapped: page cache, not a converted copy) and converted tensor by tensor as the units are sent; a new
+    classification head would be initialised in the stored dtype, so other tasks read in --dtype, as one process
+    does."""
+    if not cfg.fsdp or world.rank != 0:
+        return None
+    read = (stored_dtype(cfg.model, task_type) if task_type == "causal_lm" else None) or cfg.torch_dtype()
+    note = whole_read_note(cfg.model, task_type, read, sum(p.numel() * p.element_size() for p in skeleton.parameters()))
+    if note:
+        log(f"[prismdp] warning: --fsdp: {note}")
+    return build_lora_model(cfg, load(dtype=read), task_type)[0]
+
+
+def _check_base(cfg: TrainConfig, world: World | None) -> None:
+    """The rules of --quantize, --fsdp, --dtype and the device (:func:`prismdp.base.check_base`), before anything is
+    loaded: a one-process --fsdp run is a :class:`~prismdp.base.ShardingError`, the rest a :class:`ConfigError`."""
+    try:
+        check_base(cfg.quantize, cfg.fsdp, world=world, dtype=cfg.torch_dtype(),
+                   device=None if cfg.fsdp else cfg.torch_device(world))
+    except ShardingError:
+        raise
+    except BaseError as e:
+        raise ConfigError(str(e)) from None

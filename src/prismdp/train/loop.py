@@ -31,6 +31,7 @@ from ..atomic import dumps_json, write_json
 from ..distributed import init_from_env
 from ..export import export_adapter
 from ..privacy import report_steps
+from ..processes import REPLICA_CHECK_EVERY  # noqa: F401  (its old import path; the cadence is the engine's)
 from .build import build_run, default_lr
 from .config import ConfigError, TrainConfig
 from .interrupt import StopRequest, TrainingInterrupted
@@ -113,9 +114,6 @@ def _progress(total: int, initial: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, disable=not enabled, desc="train", unit="step", dynamic_ncols=True)
-
-
-REPLICA_CHECK_EVERY = 10  # multi-process runs compare the ranks' trained tensors this often (and at checkpoints)
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, stop_after: int | None = None, progress: bool = True,
@@ -244,8 +242,7 @@ def _train_steps(run, folder: RunFolder, step: int, fingerprint: str, stop_after
             bar.update(1)
             stopping = stopping and step < cfg.steps
             save = step % cfg.checkpoint_every == 0 or step == cfg.steps or step == stop_after or stopping
-            if save or step % REPLICA_CHECK_EVERY == 0:
-                private.check_replicas(step)  # (a no-op in one process)
+            private.after_step(step, checkpoint=save)  # replicas compared (a no-op in one process)
             if save:
                 state = _checkpoint(run, step, fingerprint)  # collective in a multi-process run
                 if main:

@@ -9,7 +9,6 @@ summed), so this is free of privacy consequences; it only changes which dropout 
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -77,33 +76,25 @@ def backward_micro_batches(private, micros: list[tuple[list[int], list[int] | No
                            losses_of: Callable[[list[int]], Tensor]) -> Tensor:
     """The micro-batch loop of one logical step (``prismdp train``, the diagnostics and the Hugging Face Trainer):
     ``losses_of(example indices)`` -> (b,) per-example losses, each micro-batch through ``private.backward`` (the
-    optimizer step is the caller's).  No collective runs inside a micro-step, so the ranks of a multi-process run
-    need not agree on their number of micro-batches (a rank with an empty share runs none), except with a sharded
-    base (``private.lockstep``, :mod:`prismdp.sharding`): every forward is then a collective, the ranks agree on the
-    count (one all-reduce per step) and a rank with fewer micro-batches runs idle ones, example 0 through the model
-    under :meth:`PrivateLoRA.idle`, its gradient discarded.
+    optimizer step is the caller's).  How the micro-steps run across the processes of a run (a rank with fewer
+    micro-batches runs idle ones where the base is sharded) is the engine's, :meth:`PrivateLoRA.run_micro_steps`.
     Returns ``[summed per-example loss, number of examples]`` over every rank, a float64 tensor left on the losses'
     device (both private: not covered by the DP guarantee): nothing here waits for the device; the caller reads it
     once, with the step's other numbers."""
     total, n = None, 0
-    agreed = private.micro_steps(len(micros)) if private.lockstep else len(micros)
-    guard = private.world.collective if private.lockstep else lambda what: contextlib.nullcontext()
-    for micro, groups in micros + [([], None)] * (agreed - len(micros)):
-        if not micro:
-            if private.lockstep:  # a sharded base: the forward is a collective, run it on a stand-in, discarded
-                with guard("idle micro-step of the sharded model"), private.idle():
-                    losses_of([0]).sum().mul(0.0).backward()
-            continue  # otherwise an empty micro-batch has nothing to compute
-        with guard("micro-step of the sharded model"):
-            losses = losses_of(micro)
-            private.backward(losses, groups=groups)
+
+    def micro_step(micro: list[int], groups: list[int] | None) -> None:
+        nonlocal total, n
+        losses = losses_of(micro)
+        private.backward(losses, groups=groups)
         summed = losses.detach().sum().double()  # as float(): a float64 sum of the micro-batches' own sums
         total = summed if total is None else total + summed
         n += losses.numel()
+
+    private.run_micro_steps(micros, micro_step, lambda: losses_of([0]))  # idle micro-steps: example 0, discarded
     total = torch.zeros((), dtype=torch.float64) if total is None else total
     totals = torch.stack([total, torch.full_like(total, float(n))])  # filled on the device: no copy, no wait
-    if private.world is not None:  # the logged loss is the global batch's
-        private.world.all_reduce_sum([totals], "training loss")
+    private.processes.sum([totals], "training loss")  # the logged loss is the global batch's
     return totals
 
 

@@ -1,0 +1,34 @@
+"""A weight sharded by FSDP2 (a ``DTensor``) read and written whole: the gather every storage kind that can be sharded
+uses before it reads (:mod:`~prismdp.base.floating`, :mod:`~prismdp.base.nf4`); sharding itself is
+:mod:`~prismdp.base.sharded`'s."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["is_sharded", "full_weight", "assign_weight"]
+
+
+def is_sharded(model_or_tensor: nn.Module | Tensor) -> bool:
+    """Whether a tensor is a ``DTensor``, or any parameter of a module is."""
+    if isinstance(model_or_tensor, Tensor):
+        return hasattr(model_or_tensor, "device_mesh") and hasattr(model_or_tensor, "full_tensor")
+    return any(is_sharded(p) for p in model_or_tensor.parameters())
+
+
+def full_weight(weight: Tensor) -> Tensor:
+    """``weight`` as one ordinary tensor: a sharded weight is all-gathered (a collective: every rank calls it, in the
+    same order); any other tensor is returned as it is."""
+    return weight.full_tensor() if is_sharded(weight) else weight
+
+
+@torch.no_grad()
+def assign_weight(weight: Tensor, value: Tensor) -> None:
+    """``weight.copy_(value)`` for a full-size ``value`` that every rank holds alike: a sharded ``weight`` keeps only
+    its own shard of it (no communication)."""
+    if is_sharded(weight):
+        from torch.distributed.tensor import distribute_tensor
+
+        value = distribute_tensor(value.to(weight.dtype), weight.device_mesh, weight.placements, src_data_rank=None)
+    weight.copy_(value)
