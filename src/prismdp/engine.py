@@ -165,8 +165,7 @@ class PrivateLoRA:
     def __post_init__(self):
         self.processes = micro_step_protocol(self.world, self.lockstep)  # chosen once, here
         # the parameters that can hold a gradient, listed once: model.zero_grad() walks every module of the model at
-        # each call (0.76 ms of host time per call on Llama-3.2-1B's structure with PEFT LoRA, 1,017 modules, on
-        # this project's CPU; 2-3 calls per step)
+        # each call (its host cost: docs/performance.md, "Design choices measured")
         self._trained = [p for p in self.model.parameters() if p.requires_grad]
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -241,9 +241,8 @@ class Recording:
 
     ``stacked[i] = [g_WB^T (k, b, r, m), g_WA (k, b, r, n) or None]`` for stack ``stacks[i]`` (rank-major), allocated
     when the first gradient of the stack arrives; ``dense[j]`` per dense parameter (b, *p.shape).  The taps write
-    ``h^T dy`` (b, r, m) and ``dh^T x`` (b, r, n): on this CPU the rank-major products took 19 us against 99 us for
-    ``dy^T h`` (b, m, r) at b 8, T 32, 384 x 384, r 4, and 350 against 640 us at b 4, T 128, 1536 x 576, r 16
-    (one thread).
+    ``h^T dy`` (b, r, m) and ``dh^T x`` (b, r, n), rank-major: faster than ``dy^T h`` (b, m, r) on the CPU (measured
+    in docs/performance.md, "Design choices measured").
     """
 
     def __init__(self, sampler: GradSampler):
@@ -347,8 +346,8 @@ class GradSampler:
         self._rec: Recording | None = None
         self._handles = []
         self._anchor = torch.zeros((), requires_grad=True)
-        #: True: let autograd also compute the LoRA factors' batch-summed ``.grad`` while recording (as before
-        #: 2026-11-27; bench's ``prism-summed-grads`` ablation measures what skipping it gains)
+        #: True: let autograd also compute the LoRA factors' batch-summed ``.grad`` while recording (the old
+        #: behaviour; bench's ``prism-summed-grads`` ablation measures what skipping it gains)
         self.summed_lora_grads = False
         #: the LoRA taps' products: "float32" (default), "tf32" or "bf16" inputs, float32 accumulation (see the module
         #: docstring for the error bound)
@@ -370,7 +369,7 @@ class GradSampler:
         matrix product as large as the tap's own per module, and the ``.grad`` buffers it fills); the tap's anchor
         keeps the output in the graph."""
         toggled: list[list[nn.Parameter]] = []
-        own = list(module.parameters(recurse=False))  # listed once: parameters() costs ~2.3 us of host time a call
+        own = list(module.parameters(recurse=False))  # listed once: parameters() has a host cost per call
 
         def pre_hook(module, inputs):
             if self._recording() and not self.summed_lora_grads:

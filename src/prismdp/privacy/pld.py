@@ -9,10 +9,8 @@ the epsilon is an upper bound at any grid interval; the rounding of each step's 
 most ``steps * interval`` to it.  The interval is ``VALUE_DISCRETIZATION = 1e-4`` (dp-accounting's default) unless one
 step's privacy-loss range would need more than :data:`MAX_GRID_POINTS` points at that interval (small noise
 multipliers: sigma below ~0.5 at q = 0.08); it is then widened to keep that many points.  dp-accounting builds the grid
-in a Python loop (~10 us a point), so without that cap a call at sigma 0.1 took 37 s and one at sigma 0.01 (which a
-calibration can probe) minutes and gigabytes; with it every call stays within a few seconds.  Measured against
-Opacus' PRV estimate on the grid of tests/test_privacy.py (interval 1e-4 there) it is within 2e-4 of it (PRV's own
-stated error is 0.01 either side).
+in a Python loop, so without that cap a call at a small sigma takes minutes and gigabytes (docs/performance.md,
+"Design choices measured"); tests/test_privacy.py checks it against Opacus' PRV estimate.
 
 A delta at which epsilon 0 already holds (the hockey-stick divergence at epsilon 0, i.e. the total variation, is at
 most delta) is refused with Opacus' PRV's ``RuntimeError("Cannot compute epsilon ...")``: dp-accounting returns
@@ -24,7 +22,7 @@ from __future__ import annotations
 __all__ = ["PLDAccountant", "VALUE_DISCRETIZATION", "MAX_GRID_POINTS"]
 
 VALUE_DISCRETIZATION = 1e-4
-MAX_GRID_POINTS = 200_000  # per step and direction: ~2 s of dp-accounting's grid construction
+MAX_GRID_POINTS = 200_000  # per step and direction (dp-accounting builds the grid point by point)
 
 
 def discretization(sigma: float, sample_rate: float) -> float:
