@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -323,6 +324,7 @@ def fsdp_build(rank: int, world_size: int, init_file: str, out: str, cfg: dict) 
         modeling_utils.PreTrainedModel.from_pretrained = classmethod(counting)
         held, shard = [], fsdp.fully_shard
 
+        @functools.wraps(shard)  # keeps fully_shard's signature: --fsdp checks it has ignored_params
         def measuring(module, **kw):
             held.append((type(module).__name__, _whole_tensor_bytes()))
             return shard(module, **kw)
