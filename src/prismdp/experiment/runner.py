@@ -172,31 +172,42 @@ def run_experiment(exp: Experiment, *, output: Optional[str] = None, tasks: Opti
     chosen = {c.id for c in exp.cells(str(out_dir), tasks=tasks, methods=methods, settings=settings, seeds=seeds)}
     cells = [c for c in all_cells if c.id in chosen]
     run = ExperimentRun(out_dir, cells)
+    _run_cells(exp, run, all_cells, dry_run=dry_run, tables_only=tables_only, log=log, archive=archive,
+               verb="trained", work=lambda cell, tag: _train_cell(cell, run, train_fn, progress, log, tag, archive))
     if dry_run:
-        for c in cells:
-            state = "done" if is_done(c, archive) else "todo"
-            log(f"[experiment] {state} {c.id}")
         return run
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / "experiment.json", {
-        "name": exp.name, "source": str(exp.path) if exp.path else None, "overrides": exp.overrides,
-        "cells": {c.id: {**c.config.to_dict(), "task_id": c.task_id} for c in all_cells}})
-    todo = [] if tables_only else cells
+    log(f"[experiment] {len(run.ran)} trained, {len(run.skipped)} skipped, {len(run.failures)} failed; results in "
+        f"{out_dir / 'results.csv'}, {out_dir / 'results.md'}, {out_dir / 'results.tex'}")
+    return run
+
+
+def _run_cells(exp: Experiment, run: "ExperimentRun", every: List[Cell], *, dry_run: bool, tables_only: bool, log,
+               archive, verb: str, work: Callable[[Cell, str], None], **described) -> None:
+    """The one loop of a grid without rate tuning (plain or honest): list the selected cells (``dry_run``), or write
+    experiment.json (``every`` cell's configuration, plus ``described``), then give each selected cell that is done
+    or that this process claims to ``work(cell, tag)`` and rewrite the tables after it; the tables over ``every``
+    cell are left in ``run.table``."""
+    if dry_run:
+        for c in run.cells:
+            log(f"[experiment] {'done' if is_done(c, archive) else 'todo'} {c.id}")
+        return
+    run.output.mkdir(parents=True, exist_ok=True)
+    write_json(run.output / "experiment.json", {
+        "name": exp.name, "source": str(exp.path) if exp.path else None, "overrides": exp.overrides, **described,
+        "cells": {c.id: {**c.config.to_dict(), "task_id": c.task_id} for c in every}})
+    todo = [] if tables_only else run.cells
     for i, cell in enumerate(todo, 1):
         tag = f"[experiment] ({i}/{len(todo)}) {cell.id}"
         folder = Path(cell.config.output)
         if not is_done(cell, archive) and not claim(folder):
-            log(f"{tag}: being trained by another process, passed over")
+            log(f"{tag}: being {verb} by another process, passed over")
             continue
         try:
-            _train_cell(cell, run, train_fn, progress, log, tag, archive)
+            work(cell, tag)
         finally:
             release(folder)
-        write_results(exp, all_cells, out_dir, run.failures, archive=archive)
-    _, run.table = write_results(exp, all_cells, out_dir, run.failures, archive=archive)
-    log(f"[experiment] {len(run.ran)} trained, {len(run.skipped)} skipped, {len(run.failures)} failed; results in "
-        f"{out_dir / 'results.csv'}, {out_dir / 'results.md'}, {out_dir / 'results.tex'}")
-    return run
+        write_results(exp, every, run.output, run.failures, archive=archive)
+    _, run.table = write_results(exp, every, run.output, run.failures, archive=archive)
 
 
 def _write_tuned_tables(exp: Experiment, out_dir: Path, failures, archive):
@@ -270,42 +281,30 @@ def _run_honest(exp: Experiment, *, output, tasks, methods, settings, seeds, dry
     from .honest import Space, parse_trials, run_tuning
 
     out_dir = Path(output if output is not None else exp.output)
-    every = honest_cells(exp, out_dir)
-    cells = honest_cells(exp, out_dir, tasks=tasks, methods=methods, settings=settings, seeds=seeds)
-    run = ExperimentRun(out_dir, cells)
-    if dry_run:
-        for c in cells:
-            log(f"[experiment] {'done' if is_done(c, archive) else 'todo'} {c.id}")
-        return run
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / "experiment.json", {
-        "name": exp.name, "source": str(exp.path) if exp.path else None, "overrides": exp.overrides,
-        "lrs": exp.lrs, "method_lrs": exp.method_lrs, "tune": dataclasses.asdict(exp.tune),
-        "cells": {c.id: {**c.config.to_dict(), "task_id": c.task_id} for c in every}})
-    for i, cell in enumerate([] if tables_only else cells, 1):
-        tag = f"[experiment] ({i}/{len(cells)}) {cell.id}"
-        folder = Path(cell.config.output)
+    run = ExperimentRun(out_dir, honest_cells(exp, out_dir, tasks=tasks, methods=methods, settings=settings,
+                                              seeds=seeds))
+
+    def tune(cell: Cell, tag: str) -> None:
         if is_done(cell, archive):
             run.skipped.append(cell.id)
             log(f"{tag}: done, skipped")
-            continue
-        if not claim(folder):
-            log(f"{tag}: being tuned by another process, passed over")
-            continue
+            return
         try:
             space = Space(tuple(exp.lrs_for(cell.method)))
             count, grid = parse_trials(str(exp.tune.trials), space)
-            log(f"{tag}: tuning ({exp.tune.trials} over {len(space.lrs)} rates) -> {folder}")
+            log(f"{tag}: tuning ({exp.tune.trials} over {len(space.lrs)} rates) -> {cell.config.output}")
             run_tuning(cell.config, space, count, score_noise=exp.tune.score_noise, tune_seed=cell.seed,
                        resume=True, grid=grid, progress=progress, log=log, train_fn=train_fn)
             run.ran.append(cell.id)
         except Exception as e:  # noqa: BLE001 - one failing cell must not stop the grid
             run.failures[cell.id] = f"{type(e).__name__}: {e}"
             log(f"{tag}: FAILED {type(e).__name__}: {e}")
-        finally:
-            release(folder)
-        write_results(exp, every, out_dir, run.failures, archive=archive)
-    _, run.table = write_results(exp, every, out_dir, run.failures, archive=archive)
+
+    _run_cells(exp, run, honest_cells(exp, out_dir), dry_run=dry_run, tables_only=tables_only, log=log,
+               archive=archive, verb="tuned", work=tune, lrs=exp.lrs, method_lrs=exp.method_lrs,
+               tune=dataclasses.asdict(exp.tune))
+    if dry_run:
+        return run
     log(f"[experiment] {len(run.ran)} tuned, {len(run.skipped)} skipped, {len(run.failures)} failed; results in "
         f"{out_dir / 'results.md'}")
     return run
