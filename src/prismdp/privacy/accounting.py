@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
@@ -154,15 +155,34 @@ def _check_steps(name: str, steps: Any) -> int:
 # ----------------------------------------------------------------------------------------------- epsilon
 
 
+@contextmanager
+def _opacus_quiet():
+    """Opacus' warnings that say nothing of the result: PRV sizes its grid with an internal RDP bound, whose "optimal
+    order is the largest alpha" warning is about that bound; numpy warns about log(0) in the PRV density at q = 1."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Optimal order is the", category=UserWarning)
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"opacus\.accountants\.analysis\.prv")
+        yield
+
+
+def history_epsilon(accountant: str, history: list[tuple[float, float, int]], delta: float) -> float:
+    """One accountant's epsilon at ``delta`` of a history of ``(sigma, sample_rate, steps)`` entries (each ``steps``
+    self-compositions of one subsampled Gaussian), ``inf`` above :data:`MAX_EPSILON`; arguments not validated, none
+    of :func:`epsilon`'s rules applied."""
+    acc = ACCOUNTANTS[accountant]()
+    acc.history = list(history)
+    with _opacus_quiet():
+        eps = float(acc.get_epsilon(delta))
+    return eps if math.isfinite(eps) and eps <= MAX_EPSILON else math.inf
+
+
 def _run(accountant: str, sigma: float, sample_rate: float, steps: int, delta: float) -> float:
     """One accountant's epsilon for ``steps`` steps (``inf`` above :data:`MAX_EPSILON`); a negative one (only a delta
     above the delta at epsilon 0 gives one) raises :func:`vacuous_delta_error`."""
-    acc = ACCOUNTANTS[accountant]()
-    acc.history = [(sigma, sample_rate, steps)]  # `steps` self-compositions of one subsampled Gaussian
-    eps = float(acc.get_epsilon(delta))
+    eps = history_epsilon(accountant, [(sigma, sample_rate, steps)], delta)
     if eps < 0:
         raise vacuous_delta_error(delta, accountant, f"epsilon {eps:.3g}")
-    return eps if math.isfinite(eps) and eps <= MAX_EPSILON else math.inf
+    return eps
 
 
 def _prv(sigma: float, sample_rate: float, steps: int, delta: float) -> tuple[float, str | None]:
@@ -186,11 +206,7 @@ def _answer(sigma: float, sample_rate: float, steps: int, delta: float,
     (``pld`` where it answers for ``prv``).  Memoised."""
     if steps == 0:
         return 0.0, None, accountant
-    with warnings.catch_warnings():
-        # PRV sizes its grid with an internal RDP bound, whose "optimal order is the largest alpha" warning says
-        # nothing about the PRV result; numpy also warns about log(0) in the PRV density when q = 1.
-        warnings.filterwarnings("ignore", message="Optimal order is the", category=UserWarning)
-        warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"opacus\.accountants\.analysis\.prv")
+    with _opacus_quiet():  # also around grid_points' RDP bound
         try:
             return _rules(sigma, sample_rate, steps, delta, accountant)
         except RuntimeError as e:  # PRV's and PLD's "Cannot compute epsilon": delta above the delta at epsilon 0

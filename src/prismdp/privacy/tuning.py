@@ -28,7 +28,6 @@ trials composed (``K * steps`` subsampled Gaussian steps and ``K`` score release
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any, Optional
@@ -37,7 +36,7 @@ import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
-from .accounting import ACCOUNTANTS, MAX_EPSILON, MAX_STEPS
+from .accounting import MAX_STEPS, history_epsilon
 
 __all__ = ["FAMILIES", "TrialCount", "tnb_mean", "trial_accountant", "trial_epsilon", "tuning_epsilon",
            "calibrate_tuning_sigma"]
@@ -175,13 +174,8 @@ def _composed(sigma: float, q: float, steps: int, delta: float, score_sigma: flo
     if k * steps > MAX_STEPS:
         raise ValueError(f"{k} trials of {steps} steps compose {k * steps} steps, above {MAX_STEPS:,} (beyond the "
                          "accountants' tested range): fewer trials or steps, or a random count (e.g. geometric:8)")
-    acc = ACCOUNTANTS[accountant]()
-    acc.history = [(sigma, q, k * steps)] + ([(score_sigma, 1.0, k)] if score_sigma is not None else [])
-    with warnings.catch_warnings():  # as prismdp.privacy.accounting: Opacus' warnings that say nothing of the result
-        warnings.filterwarnings("ignore", message="Optimal order is the", category=UserWarning)
-        warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"opacus\.accountants\.analysis\.prv")
-        eps = float(acc.get_epsilon(delta))
-    return eps if math.isfinite(eps) and eps <= MAX_EPSILON else math.inf
+    return history_epsilon(accountant, [(sigma, q, k * steps)] + ([(score_sigma, 1.0, k)] if score_sigma is not None
+                                                                   else []), delta)
 
 
 def trial_accountant(count: TrialCount, accountant: str = "prv") -> str:
