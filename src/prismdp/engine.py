@@ -270,11 +270,6 @@ class PrivateLoRA:
             if armed:
                 self.grad_sampler.arm()
 
-    def micro_steps(self, local: int) -> int:
-        """The number of micro-batches every rank runs for this logical step of a sharded base (the largest local
-        count; a rank with fewer runs idle ones): one all-reduce and one host read per step, sharded runs only."""
-        return local if self.world is None else self.world.all_reduce_max(local, "micro-step count")
-
     def check_replicas(self, step: int) -> None:
         """Multi-process runs: fail loudly unless every rank holds the same trained tensors (no-op in one process)."""
         self.processes.check_replicas(self._trained, step, force=True)
