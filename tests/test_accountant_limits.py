@@ -11,6 +11,7 @@ import pytest
 from prismdp.cli import main
 from prismdp.privacy import PrivacyBudget, calibrate_sigma, epsilon
 from prismdp.privacy.accounting import accounting_note
+from prismdp.privacy.lower_bound import epsilon_lower_bound
 
 
 @pytest.fixture
@@ -44,6 +45,23 @@ def test_prv_past_its_grid_cap_is_answered_by_pld_and_says_so(no_big_prv_grid):
     note = accounting_note(*args)
     assert note.startswith("answered by the pld accountant") and "points" in note, note
     assert accounting_note(*args, accountant="pld") is None and accounting_note(1.1, 0.0064, 300, 1e-5) is None
+
+
+def test_where_prv_cannot_answer_the_smaller_of_pld_and_rdp_answers(no_big_prv_grid):
+    """Found by tests/test_privacy_properties.py in CI: PRV's stand-in was PLD alone, whose pessimistic rounding can
+    add up to ``steps x interval`` (1e-4): at sigma 1697, q 0.147, 9.8e6 steps, delta 1e-11 the default accountant
+    reported 23.3 where RDP certifies 1.79.  Both are upper bounds, so the smaller one answers.  Here (1.8 s) PLD
+    gives 7.01 and RDP 1.96; Opacus' RDP accountant is called directly as the independent value."""
+    from opacus.accountants import RDPAccountant
+
+    args = (1697.0, 0.5, 10**6, 1e-11)
+    rdp = RDPAccountant()
+    rdp.history = [(args[0], args[1], args[2])]
+    independent = rdp.get_epsilon(args[3])
+    assert epsilon(*args, accountant="pld") > 3 * independent  # the regime the rule is for
+    assert epsilon(*args) == pytest.approx(independent, rel=1e-9)
+    assert accounting_note(*args).startswith("answered by the rdp accountant"), accounting_note(*args)
+    assert epsilon(*args) >= epsilon_lower_bound(*args)
 
 
 def test_a_target_at_prvs_error_floor_is_calibrated_by_pld_and_says_so(capsys):

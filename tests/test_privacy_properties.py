@@ -24,7 +24,7 @@ import signal
 from contextlib import contextmanager
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from prismdp.privacy import calibrate_sigma, epsilon
@@ -99,6 +99,8 @@ def test_epsilon_answers_finite_inf_with_reason_or_refuses(accountant, sigma, q,
 
 @settings(PROPERTY, max_examples=20)
 @given(sigma=SIGMAS, q=RATES, steps=STEPS, delta=DELTAS)
+# found in CI (at 9.8e6 steps, 23.3 vs 1.79): PLD standing in for PRV broke PRV's 0.02 above RDP; 1.8 s here
+@example(sigma=1697.0, q=0.5, steps=10**6, delta=1e-11)
 def test_the_accountants_agree_within_their_stated_errors(sigma, q, steps, delta):
     answers = {a: answer(sigma, q, steps, delta, a) for a in ACCOUNTANTS}
     finite = {a: v for a, v in answers.items() if isinstance(v, float) and math.isfinite(v)}
