@@ -387,7 +387,7 @@ def test_privacy_json_names_the_torch_generator_of_the_device_that_draws_the_noi
     drawing on the GPU.  The name follows the generator's device; make_private builds the generator on the
     parameters' device and privacy.json names that one."""
     from prismdp.engine import make_private
-    from prismdp.privacy.secure import describe_torch_generator
+    from prismdp.privacy.secure import SEEDED_NOISE, describe_torch_generator
 
     cuda, cpu = describe_torch_generator("cuda:0"), describe_torch_generator(torch.device("cpu"))
     assert "Philox" in cuda and "on the GPU" in cuda and "Mersenne" not in cuda
@@ -399,7 +399,29 @@ def test_privacy_json_names_the_torch_generator_of_the_device_that_draws_the_noi
     assert private.mechanism.generator.device == device
     source = private.privacy_report()["noise_source"]
     assert source == {"generator": describe_torch_generator(device), "gaussian": "torch.randn",
-                      "drawn_on": str(device)}
+                      "drawn_on": str(device), "seed": SEEDED_NOISE}
+
+
+def test_privacy_json_says_a_seeded_runs_noise_is_reproducible_from_its_seed():
+    """The default noise is torch's generator seeded with the run's seed, which config.json records (the CLI's
+    default is 42): whoever knows it regenerates the noise, so the guarantee then holds only against an adversary
+    who does not know it.  privacy.json says so for a seeded run, and names OS entropy for an unseeded one; the
+    seeded run's noise is the one torch.randn draws from a generator seeded with that seed (what an adversary would
+    do), the unseeded run's is not."""
+    from prismdp.engine import make_private
+    from prismdp.privacy.secure import SEEDED_NOISE
+
+    def run(seed):
+        private = make_private(tiny_net(), method="dp-adamw", lr=1e-3, dataset_size=100, batch_size=10, steps=3,
+                               noise_multiplier=1.0, seed=seed)
+        source = private.privacy_report()["noise_source"]
+        return source, private.mechanism.noise_source.normal((4, 3), torch.float32, "cpu")
+
+    adversary = torch.randn((4, 3), generator=torch.Generator().manual_seed(5), dtype=torch.float32)
+    (seeded, noise), (unseeded, fresh) = run(5), run(None)
+    assert seeded["seed"] == SEEDED_NOISE and "config.json" in seeded["seed"] and "--secure-noise" in seeded["seed"]
+    assert torch.equal(noise, adversary)
+    assert unseeded["seed"].startswith("OS entropy") and not torch.equal(fresh, adversary)
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))

@@ -32,7 +32,7 @@ from .processes import REPLICA_CHECK_EVERY, OneProcess, micro_step_protocol
 from .privacy.accounting import vacuous_delta_error
 from .privacy.clipping import DPConfig, noise_generator
 from .privacy.mechanism import GaussianMechanism
-from .privacy.secure import SecureRandom
+from .privacy.secure import SEEDED_NOISE, SecureRandom, TorchNoise
 
 install_quiet()  # library messages known to be harmless (prismdp.quiet), for the Python API as for the CLI
 
@@ -516,7 +516,8 @@ class _Streams:
             if secure_noise:
                 noise = SecureRandom(world.shared_key() if world is not None else None, threads=noise_threads)
             else:  # the parameters' device draws the noise, with its own generator (Philox on CUDA)
-                noise = noise_generator(device, seed=root)
+                noise = TorchNoise(noise_generator(device, seed=root),
+                                   SEEDED_NOISE if seed is not None else "OS entropy (secrets.randbits)")
         return cls(root, data, noise, device)
 
     def seed_dropout(self, world) -> None:

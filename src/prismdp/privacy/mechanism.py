@@ -101,7 +101,8 @@ class GaussianMechanism:
 
     Args:
         dp: the public constants (noise multiplier sigma, clipping bound C, expected batch size b = q N).
-        generator: the noise source: a torch generator (``None`` seeds a new one on ``device`` from OS entropy) or a
+        generator: the noise source: a torch generator (``None`` seeds a new one on ``device`` from OS entropy), one
+            wrapped in :class:`~prismdp.privacy.secure.TorchNoise` (saying where its seed came from), or a
             :class:`~prismdp.privacy.secure.SecureRandom` (``--secure-noise``: ChaCha20, Holohan-Braghin normals).
         budget: optional :class:`~prismdp.privacy.PrivacyBudget` (anything with ``check_step()`` /
             ``record_step()``): a release that would exceed it is refused before any noise is drawn.
@@ -111,14 +112,16 @@ class GaussianMechanism:
             is skipped on the CPU when every coefficient is > 0; the result is the same).
     """
 
-    def __init__(self, dp: DPConfig, *, generator: torch.Generator | SecureRandom | None = None, budget=None,
-                 reduce: Reduce | None = None, device: torch.device | str = "cpu", always_mask: bool = False):
+    def __init__(self, dp: DPConfig, *, generator: torch.Generator | TorchNoise | SecureRandom | None = None,
+                 budget=None, reduce: Reduce | None = None, device: torch.device | str = "cpu", always_mask: bool = False):
         self.dp = dp
         self.budget = budget
         self.reduce = reduce
         self.always_mask = always_mask
         if isinstance(generator, SecureRandom):
             self.generator, self.noise_source = None, generator
+        elif isinstance(generator, TorchNoise):
+            self.generator, self.noise_source = generator.generator, generator
         else:
             self.generator = noise_generator(torch.device(device), generator)
             self.noise_source = TorchNoise(self.generator)

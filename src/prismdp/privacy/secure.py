@@ -198,16 +198,24 @@ def describe_torch_generator(device: torch.device | str) -> str:
     return f"torch {kind} generator ({TORCH_GENERATORS.get(kind, 'the backend default, drawn on the device')})"
 
 
+SEEDED_NOISE = ("the run's seed, recorded in config.json: whoever knows it can regenerate this noise, and the "
+                "guarantee holds only against an adversary who does not; for noise no seed reproduces, --secure-noise "
+                "or make_private(seed=None)")
+
+
 class TorchNoise:
     """The default noise source: ``torch.randn`` from a torch generator (seedable, reproducible, not secure), drawn
-    on the generator's device (the parameters' device: no CPU draw and copy)."""
+    on the generator's device (the parameters' device: no CPU draw and copy).  ``seeded_from`` says where the
+    generator's seed came from (privacy.json's ``noise_source.seed``): :data:`SEEDED_NOISE` for a run's own seed."""
 
-    def __init__(self, generator: torch.Generator):
+    def __init__(self, generator: torch.Generator, seeded_from: str | None = None):
         self.generator = generator
+        self.seeded_from = seeded_from
 
     def describe(self) -> dict[str, Any]:
-        return {"generator": describe_torch_generator(self.generator.device), "gaussian": "torch.randn",
-                "drawn_on": str(self.generator.device)}
+        out = {"generator": describe_torch_generator(self.generator.device), "gaussian": "torch.randn",
+               "drawn_on": str(self.generator.device)}
+        return out | ({"seed": self.seeded_from} if self.seeded_from else {})
 
     def normal(self, shape: Sequence[int], dtype: torch.dtype, device) -> Tensor:
         return torch.randn(tuple(shape), generator=self.generator, dtype=dtype, device=device)
