@@ -158,7 +158,7 @@ class _StepOptimizer:
 
     def step(self, closure=None):
         private = self.trainer.private
-        self.trainer._last_stats = private.step()
+        self.trainer._last_report = private.queue_step()  # read only when the Trainer logs
         step = self.trainer.state.global_step + 1  # the Trainer counts the step after the optimizer's
         private.after_step(step)  # every rank must hold the same trained tensors
 
@@ -271,7 +271,7 @@ class PrivacyMixin:
             seed=None if p.secure_noise else self.args.seed, secure_noise=p.secure_noise,
             noise_threads=p.noise_threads, allow_large_delta=p.allow_large_delta, **p.options())
         self.optimizer = _StepOptimizer(self)
-        self._last_stats: dict = {}
+        self._last_report = None  # the last step's StepReport, unread until a log needs it
         self._steps = steps
         self._dataset_size = n_units
 
@@ -347,9 +347,10 @@ class PrivacyMixin:
             if self.private.private:
                 logs["epsilon"] = self.private.epsilon
                 logs["noise_multiplier"] = self.private.dp.noise_multiplier
+            stats = self._last_report.read() if self._last_report is not None else {}
             for key in ("clip_fraction", "batch_size"):
-                if key in self._last_stats:
-                    logs[key] = self._last_stats[key]
+                if key in stats:
+                    logs[key] = stats[key]
         super().log(logs, start_time)
 
     # ---------------------------------------------------------------- checkpoints and the adapter
