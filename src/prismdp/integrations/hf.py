@@ -234,8 +234,11 @@ class PrivacyMixin:
         steps = targs.max_steps if targs.max_steps > 0 else None
         shard = bool(targs.fsdp)  # the Trainer's FSDP settings: prismdp shards the frozen base itself
         # one Trainer step = one logical step, the Trainer's clipping off, our sampler positioned by the privacy state;
-        # no FSDP wrapping by the Trainer (it would shard the LoRA factors and reduce their gradients)
+        # no FSDP wrapping by the Trainer (it would shard the LoRA factors and reduce their gradients); its NaN/inf
+        # loss filter off: it reads the loss to the host every step (on a GPU a wait for the device per step), so a
+        # non-finite loss is logged as it is (the mechanism gives a non-finite example no weight and counts it)
         targs = dataclasses.replace(targs, max_steps=steps or 1, max_grad_norm=0.0, ignore_data_skip=True,
+                                    logging_nan_inf_filter=False,
                                     **({"fsdp": "", "fsdp_config": None} if shard else {}))
         super().__init__(model=model, args=targs, **kwargs)
         if shard:  # the one sharding path of prismdp train --fsdp, on a model every rank built whole
