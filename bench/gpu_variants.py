@@ -22,9 +22,10 @@ micro-batches of a size chosen per call:
                       micro-batches as virtual steps (``signal_skip_step``), as ``bench.workloads`` builds it.
 
 prismdp's variants run its engine as ``prismdp train`` does: ``train.step.backward_micro_batches`` over
-``micro_batch_plan``, per-example losses from ``prismdp.losses.causal_lm_losses``, the step's loss read to the host
-where the training loop reads it (:func:`prismdp.train.step.backward_batch`, before the optimizer step), then
-``PrivateLoRA.step``; the loss read is kept as ``Variant.loss`` (the logical batch's mean per-example loss).
+``micro_batch_plan``, per-example losses from ``prismdp.losses.causal_lm_losses``, then ``PrivateLoRA.queue_step``
+and the step's one host read of its loss and statistics, where the training loop reads them (``train/loop.py``: after
+the optimizer step is queued, :class:`prismdp.engine.StepReport`); the loss read is kept as ``Variant.loss`` (the
+logical batch's mean per-example loss).
 Noise multiplier 1 and clipping norm 1 (the cost does not depend on them).
 
 The variants share one copy of the frozen base weights (``copy.deepcopy`` with a memo of the shared tensors) except
@@ -180,9 +181,7 @@ def _prismdp(model: nn.Module, ids: Tensor, mask: Tensor, spec: Spec) -> Callabl
     def run(micro: int) -> float:
         totals = backward_micro_batches(private, micro_batch_plan(range(n), None, micro, group_by_length=False),
                                         losses_of)
-        loss_sum, count = totals.tolist()  # read where train/step.py's backward_batch reads it: before the step
-        private.step()
-        return loss_sum / count
+        return private.queue_step(totals).read()["loss"]  # read where train/loop.py reads: after the step is queued
 
     return run
 

@@ -7,8 +7,8 @@ workloads W1 and W2, on the built-in synthetic task (W1) and Math-10K (W2, when 
 
 * :func:`time_job` -- each method's run built by the trainer's own builder (:func:`prismdp.train.build.build_run`),
   stepped in one process on the same Poisson batches, interleaved micro-batch by micro-batch (as the workloads are):
-  ``backward_batch`` then ``private.step()``, what ``metrics.jsonl``'s ``step_time_s`` times.  W0 in the bench is
-  this.
+  ``backward_batch`` then ``private.queue_step(totals).read()``, what ``metrics.jsonl``'s ``step_time_s`` times.
+  W0 in the bench is this.
 * :func:`train_vs_bench` -- ``prismdp train`` itself (:func:`prismdp.train.loop.train` in this process, progress bar
   on, stopped after ``steps`` steps of the job's full length, so epsilon is shown as often as in the real run)
   against the bench's step on the same job and batches: per step, the trainer's wall time (``metrics.jsonl``
@@ -86,8 +86,7 @@ def _stepper(run, clock=time.perf_counter):
     def step() -> float:
         backward = _backward(run, next(batches), run.cfg.group_by_length, run.data.units)
         t0 = clock()
-        backward()
-        run.private.step()
+        run.private.queue_step(backward()).read()  # as train/loop.py: one read, after the step is queued
         return clock() - t0
 
     return step

@@ -374,13 +374,13 @@ def test_epochs_become_logical_steps_and_the_scheduler_steps_once_per_logical_st
     assert trainer.args.max_steps == 12
     assert trainer.private.dp.noise_multiplier == pytest.approx(calibrate_sigma(3.0, 1e-5, 16 / 96, 12), rel=1e-12)
     seen = []
-    step = trainer.private.step
+    step = trainer.private.queue_step
 
-    def recording_step():  # the rate each private step used
+    def recording_step(*args):  # the rate each private step used
         seen.append(trainer.private.optimizer.param_groups[0]["lr"])
-        return step()
+        return step(*args)
 
-    trainer.private.step = recording_step
+    trainer.private.queue_step = recording_step
     trainer.train()
     assert trainer.state.global_step == 12 and trainer.privacy_report()["steps"] == 12
     assert seen == pytest.approx([1.2e-2 * (1 - k / 12) for k in range(12)], rel=1e-9)

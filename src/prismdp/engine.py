@@ -8,6 +8,9 @@
             private.backward(per_example_losses(model, micro))   # (b,) losses, one per example
         private.step()                                   # clip, noise, update; refuses to exceed the budget
     print(private.epsilon)
+
+``step()`` reads its statistics to the host; a loop that must not wait for the device queues the step with
+``report = private.queue_step(totals)`` and reads everything the step reports later, at once (``report.read()``).
 """
 
 from __future__ import annotations
@@ -30,14 +33,14 @@ from .optim import PRISM, dp_adamw, dp_ffa, dp_lamb, dp_lora_plus, dp_lora_rite
 from .privacy import BudgetExhaustedError, PoissonSampler, PrivacyBudget, calibrate_sigma, check_delta, epsilon
 from .processes import REPLICA_CHECK_EVERY, OneProcess, micro_step_protocol
 from .privacy.accounting import vacuous_delta_error
-from .privacy.clipping import DPConfig, noise_generator
+from .privacy.clipping import ClipStats, DPConfig, noise_generator
 from .privacy.mechanism import GaussianMechanism
 from .privacy.secure import SEEDED_NOISE, SecureRandom, TorchNoise
 
 install_quiet()  # library messages known to be harmless (prismdp.quiet), for the Python API as for the CLI
 
-__all__ = ["make_private", "PrivateLoRA", "METHODS", "MethodSpec", "register_method", "set_dense_lr", "to_device",
-           "REPLICA_CHECK_EVERY"]
+__all__ = ["make_private", "PrivateLoRA", "StepReport", "METHODS", "MethodSpec", "register_method", "set_dense_lr",
+           "to_device", "REPLICA_CHECK_EVERY"]
 
 @dataclass
 class MethodSpec:
@@ -143,6 +146,36 @@ def set_dense_lr(optimizer, dense_params: list[nn.Parameter], lr: float) -> None
         inner.add_param_group({**{k: v for k, v in group.items() if k != "params"}, "params": moved, "lr": lr})
 
 
+@dataclass(frozen=True)
+class StepReport:
+    """What one queued logical step reports, held where it was computed until :meth:`read`, the step's one read to
+    the host (on a GPU its one wait for the device; call it after the step is queued).
+
+    ``clip``: a private step's clipping statistics (device tensors, summed over processes); ``host``: numbers already
+    on the host (a non-private step's batch size; a registered optimizer's ``last_stats`` where it keeps no
+    ``last_clip``); ``totals``: ``[summed per-example loss, number of examples]`` (float64, from
+    :func:`prismdp.train.step.backward_micro_batches`), or None."""
+
+    clip: ClipStats | None = None
+    host: dict = field(default_factory=dict)
+    totals: Tensor | None = None
+
+    def read(self) -> dict[str, float]:
+        """The step's numbers, in one ``.tolist()`` of one stacked tensor: :meth:`ClipStats.summary`'s keys (a
+        private step) or ``batch_size`` (a non-private one), and with ``totals`` the mean per-example ``loss`` (None
+        for an empty batch) and its number of ``examples`` (int)."""
+        parts = ([] if self.totals is None else [self.totals.reshape(2).double()]) \
+            + ([] if self.clip is None else [self.clip.stacked()])
+        values = torch.cat([t.to(parts[0].device) for t in parts]).tolist() if parts else []
+        out = dict(self.host)
+        if self.totals is not None:
+            (loss_sum, n), values = values[:2], values[2:]
+            out.update(loss=loss_sum / n if n else None, examples=int(n))
+        if self.clip is not None:
+            out.update(ClipStats.summary(values))
+        return out
+
+
 @dataclass
 class PrivateLoRA:
     """Everything one private (or non-private) LoRA training run needs, explicit and inspectable."""
@@ -222,20 +255,29 @@ class PrivateLoRA:
             self._seen += n_units
 
     def step(self) -> dict[str, float]:
-        """One optimizer step for the logical batch; returns its statistics (clip fraction, batch size, ...)."""
+        """One optimizer step for the logical batch; returns its statistics (clip fraction, batch size, ...), read to
+        the host (:meth:`queue_step` leaves them on the device)."""
+        return self.queue_step().read()
+
+    def queue_step(self, totals: Tensor | None = None) -> StepReport:
+        """One optimizer step for the logical batch, queued without waiting for the device; returns its
+        :class:`StepReport` (with the loss ``totals`` of :func:`~prismdp.train.step.backward_micro_batches` if
+        given), read later in one host read."""
+        host: dict = {}
         if not self.private:  # the mean over every rank's examples
             seen = self.processes.sum_gradients(self._trained, self._seen)
             if seen:
                 for p in self._trained:
                     if p.grad is not None:
                         p.grad.div_(seen)
-            stats = {"batch_size": float(seen)}
+            host = {"batch_size": float(seen)}
             self._seen = 0
         self.optimizer.step()
         self.zero_grad()
-        if self.private:
-            stats = dict(self.optimizer.last_stats)
-        return stats
+        clip = getattr(self.optimizer, "last_clip", None) if self.private else None
+        if self.private and clip is None:  # a registered optimizer without device statistics: its own read
+            host = dict(self.optimizer.last_stats)
+        return StepReport(clip, host, totals)
 
     def run_micro_steps(self, micros: Sequence[tuple[list[int], list[int] | None]],
                         micro_step: Callable[[list[int], list[int] | None], None],

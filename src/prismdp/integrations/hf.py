@@ -158,7 +158,7 @@ class _StepOptimizer:
 
     def step(self, closure=None):
         private = self.trainer.private
-        self.trainer._last_stats = private.step()
+        self.trainer._last_report = private.queue_step()  # read only when the Trainer logs
         step = self.trainer.state.global_step + 1  # the Trainer counts the step after the optimizer's
         private.after_step(step)  # every rank must hold the same trained tensors
 
@@ -234,8 +234,11 @@ class PrivacyMixin:
         steps = targs.max_steps if targs.max_steps > 0 else None
         shard = bool(targs.fsdp)  # the Trainer's FSDP settings: prismdp shards the frozen base itself
         # one Trainer step = one logical step, the Trainer's clipping off, our sampler positioned by the privacy state;
-        # no FSDP wrapping by the Trainer (it would shard the LoRA factors and reduce their gradients)
+        # no FSDP wrapping by the Trainer (it would shard the LoRA factors and reduce their gradients); its NaN/inf
+        # loss filter off: it reads the loss to the host every step (on a GPU a wait for the device per step), so a
+        # non-finite loss is logged as it is (the mechanism gives a non-finite example no weight and counts it)
         targs = dataclasses.replace(targs, max_steps=steps or 1, max_grad_norm=0.0, ignore_data_skip=True,
+                                    logging_nan_inf_filter=False,
                                     **({"fsdp": "", "fsdp_config": None} if shard else {}))
         super().__init__(model=model, args=targs, **kwargs)
         if shard:  # the one sharding path of prismdp train --fsdp, on a model every rank built whole
@@ -271,7 +274,7 @@ class PrivacyMixin:
             seed=None if p.secure_noise else self.args.seed, secure_noise=p.secure_noise,
             noise_threads=p.noise_threads, allow_large_delta=p.allow_large_delta, **p.options())
         self.optimizer = _StepOptimizer(self)
-        self._last_stats: dict = {}
+        self._last_report = None  # the last step's StepReport, unread until a log needs it
         self._steps = steps
         self._dataset_size = n_units
 
@@ -347,9 +350,10 @@ class PrivacyMixin:
             if self.private.private:
                 logs["epsilon"] = self.private.epsilon
                 logs["noise_multiplier"] = self.private.dp.noise_multiplier
+            stats = self._last_report.read() if self._last_report is not None else {}
             for key in ("clip_fraction", "batch_size"):
-                if key in self._last_stats:
-                    logs[key] = self._last_stats[key]
+                if key in stats:
+                    logs[key] = stats[key]
         super().log(logs, start_time)
 
     # ---------------------------------------------------------------- checkpoints and the adapter

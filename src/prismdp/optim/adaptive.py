@@ -94,7 +94,8 @@ def precondition(V: Tensor, floor: Tensor | float, eps: float, cond_max: float, 
     ``max / cond_max``.  Returns the matrix and the final eigenvalues (for diagnostics)."""
     w, Q = torch.linalg.eigh(0.5 * (V + V.mT))
     if clamp:
-        w = torch.maximum(w.clamp_min(0.0) + eps, torch.as_tensor(floor, dtype=w.dtype, device=w.device))
+        # a float floor stays a scalar operand (a tensor made from it would be a host-to-device copy per call)
+        w = (w.clamp_min(0.0) + eps).clamp_min(floor)
     else:
         w = w.clamp_min(0.0) + floor + eps
     if math.isfinite(cond_max):

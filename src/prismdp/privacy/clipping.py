@@ -56,11 +56,19 @@ class ClipStats:
     nonfinite: Tensor
     norm_sum: Tensor
 
+    def stacked(self) -> Tensor:
+        """The five statistics as one (5,) tensor on their device, in :meth:`summary`'s order (no read)."""
+        return torch.stack([self.examples, self.clipped, self.coef_sum, self.nonfinite, self.norm_sum])
+
     def as_dict(self) -> dict[str, float]:
         """Host-side summary: one read of the five statistics, stacked (a single host synchronisation; call once
         per logical step at most)."""
-        n, clipped, coef_sum, nonfinite, norm_sum = torch.stack(
-            [self.examples, self.clipped, self.coef_sum, self.nonfinite, self.norm_sum]).tolist()
+        return self.summary(self.stacked().tolist())
+
+    @staticmethod
+    def summary(values: list[float]) -> dict[str, float]:
+        """The summary of the five numbers of :meth:`stacked`, read to the host."""
+        n, clipped, coef_sum, nonfinite, norm_sum = values
         return {
             "batch_size": n,
             "clip_fraction": clipped / n if n else 0.0,

@@ -175,8 +175,7 @@ class GaussianMechanism:
         return coef
 
     def _reduce(self, sums: list[Tensor], clip: ClipStats) -> ClipStats:
-        stats = torch.stack([clip.examples, clip.clipped, clip.coef_sum, clip.nonfinite, clip.norm_sum]).to(
-            sums[0].device)
+        stats = clip.stacked().to(sums[0].device)
         self.reduce(sums + [stats])
         return ClipStats(*stats.unbind())
 

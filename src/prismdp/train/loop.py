@@ -211,9 +211,10 @@ def _train_steps(run, folder: RunFolder, step: int, fingerprint: str, stop_after
             (open(folder.metrics_path, "a") if main else contextlib.nullcontext()) as metrics:
         for batch in private.batches():
             t0 = time.perf_counter()
-            loss_sum, n = backward_batch(private, model, data.train, data.loss, batch, cfg.micro_batch_size, pad_id,
-                                         device, cfg.group_by_length, units=data.units)
-            stats = private.step()
+            totals = backward_batch(private, model, data.train, data.loss, batch, cfg.micro_batch_size, pad_id,
+                                    device, cfg.group_by_length, units=data.units)
+            stats = private.queue_step(totals).read()  # the step's one host read, after its update is queued
+            n = stats["examples"]
             step_time = time.perf_counter() - t0  # the step (its host reads included), not the accountant or the log
             step += 1
             stopping = stop.requested
@@ -221,7 +222,7 @@ def _train_steps(run, folder: RunFolder, step: int, fingerprint: str, stop_after
                 stopping = world.all_reduce_max(int(stopping), "stop request") > 0
             record = {
                 "step": step,
-                "loss": loss_sum / n if n else None,
+                "loss": stats["loss"],
                 "epsilon": private.epsilon if private.private and step in shown and main else None,
                 "clip_fraction": stats.get("clip_fraction"),
                 "clip_coef_mean": stats.get("clip_coef_mean"),

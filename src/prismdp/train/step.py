@@ -100,14 +100,15 @@ def backward_micro_batches(private, micros: list[tuple[list[int], list[int] | No
 
 def backward_batch(private, model, examples: Sequence[dict], loss_fn, indices, micro_batch_size: int, pad_id: int,
                    device: torch.device | None = None, group_by_length: bool = True,
-                   units: Sequence[Sequence[int]] | None = None) -> tuple[float, int]:
+                   units: Sequence[Sequence[int]] | None = None) -> Tensor:
     """Forward and backward every micro-batch of one logical batch of tokenised ``examples`` (padded with
-    ``pad_id``; see :func:`micro_batch_plan` and :func:`backward_micro_batches`)."""
+    ``pad_id``; see :func:`micro_batch_plan` and :func:`backward_micro_batches`).  Returns the loss totals on the
+    device, unread: ``prismdp train`` hands them to ``private.queue_step`` and reads them with the step's other
+    numbers, after the optimizer step is queued (:class:`prismdp.engine.StepReport`)."""
 
     def losses_of(micro: list[int]) -> Tensor:
         feats = pad_collate([examples[i] for i in micro], pad_id)
         return loss_fn(model(**model_inputs(feats, device)).logits, to_device(feats["labels"], device))
 
     plan = micro_batch_plan(indices, examples, micro_batch_size, group_by_length, units)
-    loss_sum, n = backward_micro_batches(private, plan, losses_of).tolist()  # the step's one read of its loss
-    return loss_sum, int(n)
+    return backward_micro_batches(private, plan, losses_of)
