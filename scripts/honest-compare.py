@@ -41,11 +41,9 @@ def by_cell(rows: list[dict]) -> dict:
 
 def free_tuned(rows: list[dict], steps: dict) -> dict:
     """(c): per (task, method, epsilon) at ``steps[task]``, the seeds at the rate seed 43 ran at."""
-    chosen = {(r["task"], r["method"], r["epsilon_target"]): r["lr"] for r in rows
-              if r["seed"] == "43" and r["steps"] == steps.get(r["task"])}
-    return {(r["task"], r["method"], float(r["epsilon_target"]), r["seed"]): (float(r["value"]), r["steps"])
-            for r in rows if chosen.get((r["task"], r["method"], r["epsilon_target"])) == r["lr"]
-            and r["steps"] == steps.get(r["task"])}
+    rows = [r for r in rows if r["steps"] == steps.get(r["task"])]
+    chosen = {(r["task"], r["method"], r["epsilon_target"]): r["lr"] for r in rows if r["seed"] == "43"}
+    return by_cell([r for r in rows if chosen.get((r["task"], r["method"], r["epsilon_target"])) == r["lr"]])
 
 
 def cell(values: list[float], missing: str) -> str:
@@ -70,8 +68,7 @@ def main(honest: str, notune: str, free: list[str]) -> None:
             "(c) free tuning": free_tuned([r for f in free for r in scores(f)], steps)}
     print("| task | epsilon | arm | PRISM | DP-AdamW | PRISM's lead, points (seeds won) |")
     print("|---|---:|---|---:|---:|---:|")
-    tasks = [(t, e) for t in sorted(steps) for e in EPSILONS]
-    for task, eps in tasks:
+    for task, eps in [(t, e) for t in sorted(steps) for e in EPSILONS]:
         for name, arm in arms.items():
             col = defaultdict(list)
             for s in SEEDS:

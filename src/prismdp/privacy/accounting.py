@@ -66,7 +66,7 @@ MIN_SIGMA = 1e-2  # calibration searches sigma in [MIN_SIGMA, MAX_SIGMA]
 MAX_SIGMA = 1e4
 MAX_STEPS = 10**7  # longer runs are refused; steps_allowed searches up to this many steps
 PRV_MAX_POINTS = 1_000_000  # a larger PRV grid: PLD or RDP answers (see the module docstring)
-PRV_MIN_EPSILON = 0.1  # a smaller PRV epsilon is mostly its additive error 0.01: PLD answers
+PRV_MIN_EPSILON = 0.1  # a smaller PRV epsilon is mostly its additive error 0.01: PLD or RDP answers
 FALLBACK = ("pld", "rdp")  # where PRV cannot answer: the smaller of their two upper bounds (the module docstring)
 CALIBRATION_REL_TOL = 0.005  # calibrated epsilon lands in [(1 - tol) * target, target]
 
@@ -208,7 +208,7 @@ def _answer(sigma: float, sample_rate: float, steps: int, delta: float,
             accountant: str) -> tuple[float, str | None, str]:
     """``(epsilon, note, answered_by)`` on validated arguments (the rules of the module docstring); ``note`` is None
     where ``accountant`` itself answered a finite epsilon; ``answered_by``: the accountant whose epsilon it is
-    (``pld`` where it answers for ``prv``).  Memoised."""
+    (``pld`` or ``rdp`` where it answers for ``prv``).  Memoised."""
     if steps == 0:
         return 0.0, None, accountant
     with _opacus_quiet():  # also around grid_points' RDP bound
@@ -220,8 +220,8 @@ def _answer(sigma: float, sample_rate: float, steps: int, delta: float,
 
 def _rules(sigma: float, sample_rate: float, steps: int, delta: float,
            accountant: str) -> tuple[float, str | None, str]:
-    """:func:`_answer`'s rules: ``inf`` where the lower bound exceeds :data:`MAX_EPSILON`; PLD where PRV cannot
-    answer; else ``accountant`` itself."""
+    """:func:`_answer`'s rules: ``inf`` where the lower bound exceeds :data:`MAX_EPSILON`; the smaller of PLD and RDP
+    where PRV cannot answer; else ``accountant`` itself."""
     above = f"above {MAX_EPSILON:g}, where a guarantee certifies nothing and the accountants are not trusted"
     bound = epsilon_lower_bound(sigma, sample_rate, steps, delta)
     if bound > MAX_EPSILON:
@@ -302,7 +302,7 @@ def calibrate_sigma(
     hi = 1.0
     while eps(hi) > target:  # grow until the target is met
         if hi >= MAX_SIGMA:
-            _, note, used = _answer(hi, q, steps, delta, accountant)  # PLD may have answered for PRV: name it
+            _, note, used = _answer(hi, q, steps, delta, accountant)  # PLD or RDP may have answered for PRV: name it
             raise ValueError(
                 f"target_epsilon={target} is unreachable with the {used!r} accountant at delta={delta}, "
                 f"q={q}, steps={steps}: even sigma={hi:g} gives epsilon={eps(hi):.4g}"

@@ -113,7 +113,8 @@ class GaussianMechanism:
     """
 
     def __init__(self, dp: DPConfig, *, generator: torch.Generator | TorchNoise | SecureRandom | None = None,
-                 budget=None, reduce: Reduce | None = None, device: torch.device | str = "cpu", always_mask: bool = False):
+                 budget=None, reduce: Reduce | None = None, device: torch.device | str = "cpu",
+                 always_mask: bool = False):
         self.dp = dp
         self.budget = budget
         self.reduce = reduce
