@@ -14,10 +14,9 @@ import torch
 
 
 def _init(rank: int, world: int, init_file: str, timeout_s: float = 180.0):
-    """Join the gloo group.  The collective timeout is 180 s, below spawn_workers' 240 s bound (a hang still fails):
-    at 60 s, a fresh-clone CI run on a loaded machine once had rank 0 abort (exit -6, inside an NF4 all-gather of
-    test_fsdp's sharded-NF4 trajectory) while rank 1 was late, then rank 1 fail on the closed connection; the test
-    passed 6 of 6 times alone."""
+    """Join the gloo group.  The collective timeout is 180 s, below spawn_workers' 240 s bound (a hang still fails),
+    a margin for loaded machines.  It does not explain test_fsdp's sharded-NF4 trajectory failing under load (rank 0
+    exit -6, rank 1 a lost connection): that recurred at 180 s, later in the run, so its cause is still open."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
