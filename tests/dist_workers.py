@@ -210,8 +210,15 @@ def fsdp_trajectory(rank: int, world_size: int, init_file: str, out: str, method
         world = _init(rank, world_size, init_file) if world_size > 1 else None
         model = tiny_llama(r=2, targets=("q_proj", "v_proj", "down_proj")).double()
         full_q = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.detach().clone()
+        unwaited = None
         if shard:
+            from torch._C._distributed_c10d import _get_work_registry_size
+
+            from prismdp.sharding import full_weight
+
             shard_frozen_base(model, world, quantize="nf4" if nf4 else None)
+            full_weight(model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight)
+            unwaited = _get_work_registry_size()  # gathers still writing into the tensor full_weight returned
         elif nf4:
             quantize_nf4_layers(model, 2, keep={"lm_head"})
         g = torch.Generator().manual_seed(1)
@@ -237,7 +244,7 @@ def fsdp_trajectory(rank: int, world_size: int, init_file: str, out: str, method
         info = {"lockstep": private.lockstep, "sharded": is_sharded(q), "local_rows": int(local.shape[0]),
                 "full_rows": int(full_q.shape[0]), "trained_sharded": any(is_sharded(p) for p in
                                                                          model.parameters() if p.requires_grad),
-                "nf4": sum(is_nf4(p) for p in model.parameters())}
+                "nf4": sum(is_nf4(p) for p in model.parameters()), "unwaited": unwaited}
         torch.save({"traj": traj, "info": info}, out + f".{rank}")
         _close()
     except Exception:  # noqa: BLE001

@@ -23,12 +23,12 @@ def test_a_sharded_base_follows_the_one_process_trajectory(tmp_path, method):
     two = tmp_path / "two"
     codes = worker_codes(dist_workers.fsdp_trajectory, 2, tmp_path, str(two), method, True)
     errs = sorted(tmp_path.glob("two.err*"))
-    assert codes == [0, 0], errs[0].read_text() if errs else codes
+    assert codes == [0, 0], f"{codes!r}\n" + (errs[0].read_text() if errs else "")
     a = torch.load(f"{one}.0")
     for r in (0, 1):
         b = torch.load(f"{two}.{r}")
         assert b["info"] == {"lockstep": True, "sharded": True, "local_rows": 16, "full_rows": 32,
-                             "trained_sharded": False, "nf4": 0}
+                             "trained_sharded": False, "nf4": 0, "unwaited": 0}
         assert len(b["traj"]) == len(a["traj"]) == 6
         for step_a, step_b in zip(a["traj"], b["traj"]):
             for x, y in zip(step_a, step_b):
@@ -53,12 +53,12 @@ def test_a_sharded_nf4_base_follows_the_one_process_nf4_trajectory(tmp_path):
         else:
             codes = worker_codes(dist_workers.fsdp_trajectory, 2, tmp_path, str(out), "prism", shard, nf4)
             errs = sorted(tmp_path.glob(f"{name}.err*"))
-            assert codes == [0, 0], errs[0].read_text() if errs else codes
+            assert codes == [0, 0], f"{codes!r}\n" + (errs[0].read_text() if errs else "")
         runs[name] = [torch.load(f"{out}.{r}") for r in range(world)]
     assert runs["one"][0]["info"]["nf4"] == 14 and runs["one"][0]["info"]["sharded"] is False
     for b in runs["two"]:
         assert b["info"] == {"lockstep": True, "sharded": True, "local_rows": 16, "full_rows": 32,
-                             "trained_sharded": False, "nf4": 14}
+                             "trained_sharded": False, "nf4": 14, "unwaited": 0}
         for step_a, step_b in zip(runs["one"][0]["traj"], b["traj"], strict=True):
             for x, y in zip(step_a, step_b):
                 torch.testing.assert_close(y, x, rtol=1e-10, atol=1e-10)

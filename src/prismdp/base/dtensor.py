@@ -19,8 +19,24 @@ def is_sharded(model_or_tensor: nn.Module | Tensor) -> bool:
 
 def full_weight(weight: Tensor) -> Tensor:
     """``weight`` as one ordinary tensor: a sharded weight is all-gathered (a collective: every rank calls it, in the
-    same order); any other tensor is returned as it is."""
-    return weight.full_tensor() if is_sharded(weight) else weight
+    same order) and the gather waited for; any other tensor is returned as it is."""
+    return _waited(weight.full_tensor()) if is_sharded(weight) else weight
+
+
+def _waited(t: Tensor) -> Tensor:
+    """``t`` once every all-gather writing into it has finished.  ``full_tensor()`` waits for a plain tensor's gather,
+    but of a tensor subclass that gathers its inner tensors one by one (torchao's NF4: three) it returns the inner
+    tensors with their gathers still in flight (torch 2.13: three works left in the functional-collective registry).
+    Read early they may be incomplete; freed early, gloo's thread writes into freed memory (seen: ``malloc():
+    unaligned tcache chunk detected`` and an abort in a sharded-NF4 run under load)."""
+    from torch.distributed._functional_collectives import wait_tensor
+
+    names = t.__tensor_flatten__()[0] if hasattr(t, "__tensor_flatten__") else ()
+    for name in names:
+        wait_tensor(getattr(t, name))
+    if not names:
+        wait_tensor(t)
+    return t
 
 
 @torch.no_grad()
