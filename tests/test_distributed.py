@@ -187,6 +187,43 @@ def test_a_sigterm_outside_the_training_loop_is_taken_as_a_request_not_a_silent_
     assert res.returncode == 0 and res.stdout.strip() == "alive", res.stderr[-2000:]
 
 
+def test_a_sigterm_while_the_main_thread_is_blocked_in_a_collective_still_ends_the_process_with_one_line():
+    """The CI failure of 2026-11-28: rank 1 was killed after a step and rank 0 printed nothing until torchrun's
+    SIGKILL 30 s after its SIGTERM, because Python runs a signal handler only between the main thread's bytecodes
+    and a main thread waiting inside C++ (a store wait, a collective that never sees its peer die) never returns to
+    it.  The guard's watchdog thread wakes on the signal itself (signal.set_wakeup_fd) and ends the process with
+    one error line: at once while starting, ``grace`` seconds after the SIGTERM once the process group is up (then
+    with every thread's stack, to show where it was stuck).  Here
+    the main thread waits 60 s in TCPStore.wait for a key nobody sets; without the watchdog the process runs the
+    whole 60 s (checked: the handler ran only when the wait timed out)."""
+    from helpers import run_python
+
+    code = """if True:
+        import datetime, os, signal, tempfile, threading, time
+        import torch.distributed as dist
+        from prismdp.train.interrupt import guard_termination
+        guard_termination(grace=1.0)
+        if {up}:
+            dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        start = time.monotonic()
+        try:
+            store.wait(["never set"])
+        finally:
+            print("main thread returned after", round(time.monotonic() - start), "s")
+    """
+    for up, says in ((False, "SIGTERM while the run was starting: another process of the run stopped or lost its "
+                             "connection"),
+                     (True, "SIGTERM 1 s ago and the run has not stopped: another process of the run stopped or "
+                            "lost its connection")):
+        res = run_python(code.format(up=up), timeout=50, env={"RANK": "0", "WORLD_SIZE": "2"})
+        assert res.returncode == 128 + 15 and res.stdout == "", (up, res.returncode, res.stdout, res.stderr[-2000:])
+        lines = [line for line in res.stderr.splitlines() if line.startswith("prismdp") and ": error: " in line]
+        assert len(lines) == 1 and lines[0].startswith(f"prismdp: error: rank 0 of 2: {says}"), (up, lines)
+        assert ("where each thread was" in res.stderr and "Thread 0x" in res.stderr) == up, res.stderr[-2000:]
+
+
 def test_init_from_env_sets_nccl_error_handling_and_the_timeout(monkeypatch):
     """Under NCCL: TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (abort the communicator, end the process) unless the user set
     it, and the process group's timeout from PRISMDP_DIST_TIMEOUT (default 300 s); a bad value is a one-line error."""

@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     from .distributed import PeerLostError, ReplicaDivergenceError, peer_lost
     from .models import ModelLoadError
     from .privacy import BudgetExhaustedError
-    from .train.interrupt import TrainingInterrupted
+    from .train.interrupt import TrainingInterrupted, last_word
     from .train.loop import RunExistsError
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -376,20 +376,22 @@ def main(argv: list[str] | None = None) -> int:
                 "diagnose": _cmd_diagnose, "audit": _cmd_audit, "tune": _cmd_tune}[args.command](args)
     except (ValueError, ImportError, FileNotFoundError, BudgetExhaustedError, ModelLoadError, RunExistsError,
             PeerLostError, ReplicaDivergenceError) as e:  # no traceback
-        print(f"prismdp {args.command}: error: {e}", file=sys.stderr)
+        with last_word():  # (not beside the line of a multi-process run's SIGTERM watchdog)
+            print(f"prismdp {args.command}: error: {e}", file=sys.stderr)
         if isinstance(e, PeerLostError) and peer_lost():  # a broken process group: its teardown at exit can block
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(2)
         return 2
     except TrainingInterrupted as e:  # Ctrl-C / SIGTERM during training: a checkpoint was saved after the last step
-        if e.main and args.command == "audit":
-            print(f"prismdp audit: stopped after step {e.step} of {e.total} ({e.signame}); an audit cannot be "
-                  f"resumed (its canaries' inclusion bits were kept only in memory): delete {e.output} or choose "
-                  "another --output to audit again", file=sys.stderr)
-        elif e.main:
-            print(f"prismdp {args.command}: stopped after step {e.step} of {e.total} ({e.signame}); checkpoint saved "
-                  f"in {e.output}. Continue with:\n  {_continue_command(argv, args.command)}", file=sys.stderr)
+        if e.main:  # (only the reporting rank prints)
+            line = (f"prismdp audit: stopped after step {e.step} of {e.total} ({e.signame}); an audit cannot be "
+                    f"resumed (its canaries' inclusion bits were kept only in memory): delete {e.output} or choose "
+                    "another --output to audit again" if args.command == "audit" else
+                    f"prismdp {args.command}: stopped after step {e.step} of {e.total} ({e.signame}); checkpoint "
+                    f"saved in {e.output}. Continue with:\n  {_continue_command(argv, args.command)}")
+            with last_word():  # (not beside the line of a multi-process run's SIGTERM watchdog)
+                print(line, file=sys.stderr)
         return 130
     except _RunInterrupted as e:
         hint = (f"; continue from its last checkpoint with:\n  {_continue_command(argv, args.command)}"

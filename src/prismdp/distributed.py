@@ -17,10 +17,11 @@ The run stays the one-process mechanism, split by examples:
 A failed collective (a process died, a connection dropped) raises :class:`PeerLostError` naming the step, instead of
 hanging until a timeout.  When a rank dies, torchrun sends SIGTERM to the others; a survivor takes it as a request
 (:func:`prismdp.train.interrupt.guard_termination`: never a silent death mid-error), meets the lost peer at its next
-collective and ends with the lost-peer error, without tearing down the broken process group (which can block).  Under NCCL a lost peer may
-not fail a collective at all: the process group's timeout (``PRISMDP_DIST_TIMEOUT`` seconds, default 300) bounds the
-wait, and NCCL's asynchronous error handling (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` unless set: abort the
-communicator, then end the process) ends every survivor within it.
+collective and ends with the lost-peer error, without tearing down the broken process group (which can block);
+a survivor stuck in C++ that cannot reach it is ended by the guard's watchdog thread, 20 s after the SIGTERM.
+Under NCCL a lost peer may not fail a collective at all: the process group's timeout (``PRISMDP_DIST_TIMEOUT``
+seconds, default 300) bounds the wait, and NCCL's asynchronous error handling (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``
+unless set: abort the communicator, then end the process) ends every survivor within it.
 """
 
 from __future__ import annotations
