@@ -210,3 +210,29 @@ def test_a_whole_private_trainer_step_reads_nothing_from_the_host(tiny_bert_dir,
         trainer.train()
     assert len(marks) == 5
     assert marks[-1] == (0, 0), (dict(counter.sites), dict(counter.model))  # after 4 whole iterations
+
+
+def test_the_stop_agreement_of_several_processes_is_read_with_the_step_report():
+    """Under torchrun the training loop agrees on a stop request (the MAX of every rank's flag) once per step; the
+    all-reduce is queued (World.queue_max) and its result read in the step's one read (StepReport.flags), where it
+    was a read of its own (World.all_reduce_max: 2 reads a step, checked).  Run on a one-process gloo group in a
+    subprocess (the test process keeps no process group)."""
+    from helpers import run_python
+
+    code = """if True:
+        import tempfile, torch, torch.distributed as dist
+        from bench.micro import HostSyncCounter
+        from prismdp.distributed import World
+        from prismdp.engine import StepReport
+        dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        world = World()
+        with HostSyncCounter() as counter:
+            report = StepReport(totals=torch.tensor([3.0, 2.0], dtype=torch.float64))
+            report.flags["stop"] = world.queue_max(1, "stop request")
+            out = report.read()
+        print(counter.count, out["stop"], out["loss"], out["examples"])
+        dist.destroy_process_group()
+    """
+    res = run_python(code, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["1", "1.0", "1.5", "2"], res.stdout

@@ -125,6 +125,14 @@ class World:
         self._run(what, lambda: self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.group))
         return int(t.item())
 
+    def queue_max(self, value: int, what: str = "max") -> Tensor:
+        """The MAX of ``value`` across ranks as a one-element tensor on the process group's device, without reading
+        it: read it with the step's other numbers (:class:`prismdp.engine.StepReport`'s ``flags``).  On NCCL the
+        all-reduce is queued on the stream; gloo runs it at once."""
+        t = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
+        self._run(what, lambda: self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.group))
+        return t
+
     def broadcast_int(self, value: int | None, what: str = "broadcast") -> int:
         """Rank 0's ``value`` on every rank (rank 0 must pass one)."""
         t = torch.tensor([int(value) if self.main else 0], dtype=torch.int64, device=self.device)

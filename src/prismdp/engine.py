@@ -154,20 +154,26 @@ class StepReport:
     ``clip``: a private step's clipping statistics (device tensors, summed over processes); ``host``: numbers already
     on the host (a non-private step's batch size; a registered optimizer's ``last_stats`` where it keeps no
     ``last_clip``); ``totals``: ``[summed per-example loss, number of examples]`` (float64, from
-    :func:`prismdp.train.step.backward_micro_batches`), or None."""
+    :func:`prismdp.train.step.backward_micro_batches`), or None; ``flags``: more one-element tensors read with the
+    rest, each under its name (the training loop's stop agreement across processes)."""
 
     clip: ClipStats | None = None
     host: dict = field(default_factory=dict)
     totals: Tensor | None = None
+    flags: dict[str, Tensor] = field(default_factory=dict)
 
     def read(self) -> dict[str, float]:
         """The step's numbers, in one ``.tolist()`` of one stacked tensor: :meth:`ClipStats.summary`'s keys (a
         private step) or ``batch_size`` (a non-private one), and with ``totals`` the mean per-example ``loss`` (None
         for an empty batch) and its number of ``examples`` (int)."""
         parts = ([] if self.totals is None else [self.totals.reshape(2).double()]) \
-            + ([] if self.clip is None else [self.clip.stacked()])
+            + ([] if self.clip is None else [self.clip.stacked()]) \
+            + [t.reshape(1).double() for t in self.flags.values()]
         values = torch.cat([t.to(parts[0].device) for t in parts]).tolist() if parts else []
         out = dict(self.host)
+        if self.flags:
+            values, flags = values[:-len(self.flags)], values[-len(self.flags):]
+            out.update(zip(self.flags, flags))
         if self.totals is not None:
             (loss_sum, n), values = values[:2], values[2:]
             out.update(loss=loss_sum / n if n else None, examples=int(n))

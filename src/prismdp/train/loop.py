@@ -213,13 +213,14 @@ def _train_steps(run, folder: RunFolder, step: int, fingerprint: str, stop_after
             t0 = time.perf_counter()
             totals = backward_batch(private, model, data.train, data.loss, batch, cfg.micro_batch_size, pad_id,
                                     device, cfg.group_by_length, units=data.units)
-            stats = private.queue_step(totals).read()  # the step's one host read, after its update is queued
+            report = private.queue_step(totals)
+            if world is not None:  # a stop request on any rank stops every rank after this step (agreed in the read)
+                report.flags["stop"] = world.queue_max(int(stop.requested), "stop request")
+            stats = report.read()  # the step's one host read, after its update is queued
             n = stats["examples"]
             step_time = time.perf_counter() - t0  # the step (its host reads included), not the accountant or the log
             step += 1
-            stopping = stop.requested
-            if world is not None:  # a stop request on any rank stops every rank after this step
-                stopping = world.all_reduce_max(int(stopping), "stop request") > 0
+            stopping = stats["stop"] > 0 if world is not None else stop.requested
             record = {
                 "step": step,
                 "loss": stats["loss"],
