@@ -72,6 +72,44 @@ def test_nonprivate_prism_learns():
     assert after < 0.6 * before
 
 
+@pytest.mark.parametrize("products, u", [("tf32", 2.0 ** -11), ("bf16", 2.0 ** -9)])
+def test_products_reaches_the_per_example_gradients_with_the_stated_rounding(products, u, monkeypatch):
+    """``make_private(products=...)`` (``--products``) sets the precision of the per-example products: the gradients
+    entering the clipper differ from the float32 ones (the option is wired, not ignored: no difference fails) by at
+    most the bound of prismdp.grad_sample, ``(2 u + u^2) kappa`` relative per example and factor (both inputs
+    rounded with unit roundoff u; ``kappa = || |L| |R| ||_F / || L R ||_F``, taken here from the products
+    themselves; 1e-5 for float32 accumulation)."""
+    import prismdp.grad_sample as gs
+
+    kappa = []
+    product = gs.product
+
+    def spy(left, right, precision, out=None):
+        if precision == "float32":
+            L, R = left.double(), right.double()
+            kappa.append(float((torch.bmm(L.abs(), R.abs()).flatten(1).norm(dim=1)
+                                / torch.bmm(L, R).flatten(1).norm(dim=1)).max()))
+        return product(left, right, precision, out=out)
+
+    monkeypatch.setattr(gs, "product", spy)
+    X, Y = net_batch(6, seed=4)
+    seen = {}
+    for name in ("float32", products):
+        model = tiny_net(seed=1)
+        private = make_private(model, method="prism", lr=1e-2, dataset_size=60, batch_size=6, steps=2,
+                               noise_multiplier=1.0, seed=0, products=name)
+        assert private.grad_sampler.products == name
+        accumulate = private.optimizer.accumulate
+        private.optimizer.accumulate = lambda grads, name=name: (seen.setdefault(name, grads), accumulate(grads))
+        private.backward(classification_losses(model(X), Y))
+    bound = (2 * u + u * u) * max(kappa) + 1e-5
+    worst = 0.0
+    for ref, got in zip(seen["float32"].lora, seen[products].lora):
+        for r, g in zip(ref, got):
+            worst = max(worst, float(((g - r).flatten(1).norm(dim=1) / r.flatten(1).norm(dim=1)).max()))
+    assert 0 < worst <= bound, (products, worst, bound, max(kappa))
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -86,6 +124,7 @@ def test_nonprivate_prism_learns():
         (dict(delta=0.5, allow_large_delta=True), "too large for the 'prv' accountant"),  # Opacus' PRV fails
         (dict(delta=0.9, allow_large_delta=True, target_epsilon=None, noise_multiplier=1.0, accountant="rdp"),
          r"too large for the 'rdp' accountant \(even without noise"),  # vacuous: refused before any accountant call
+        (dict(products="fp16"), r"products='fp16'.*float32, tf32, bf16"),
     ],
 )
 def test_bad_input_fails_before_anything_is_spent(kwargs, match):

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from .base import describe_base
 from .distributed import World, current_world, shard_seed
-from .grad_sample import GradSampler, float32_trainables
+from .grad_sample import PRODUCTS, GradSampler, float32_trainables
 from .lora import LoraPair, RankRStart, find_lora_pairs, freeze_lora_A, move_to_rank_r_start
 from .quiet import install as install_quiet
 from .optim import PRISM, dp_adamw, dp_ffa, dp_lamb, dp_lora_plus, dp_lora_rite
@@ -420,6 +420,7 @@ def make_private(
     secure_noise: bool = False,
     noise_threads: int | None = None,
     allow_large_delta: bool = False,
+    products: str = "float32",
     **method_kwargs,
 ) -> PrivateLoRA:
     """Validate the model, calibrate sigma for exactly ``steps`` Poisson steps and build the optimizer.
@@ -436,14 +437,18 @@ def make_private(
     calls ``make_private`` with the same arguments on its copy of the model.  ``secure_noise``: Gaussian noise and
     Poisson inclusions from OS-keyed ChaCha20, noise as Holohan-Braghin sums of normals (:mod:`prismdp.privacy.secure`);
     it takes no ``seed`` (a seeded stream is predictable); ``noise_threads``: the CPU threads drawing its noise (default
-    ``torch.get_num_threads()``, which torchrun sets to 1).  Every check runs before any noise is drawn.  A ``delta``
+    ``torch.get_num_threads()``, which torchrun sets to 1).  ``products``: the precision of the per-example gradient
+    products (:data:`~prismdp.grad_sample.PRODUCTS`: float32, or TF32 / bf16 inputs with float32 accumulation, for
+    speed on a GPU; the guarantee is the same, since each example's computed gradient is clipped whatever its
+    rounding).  Every check runs before any noise is drawn.  A ``delta``
     at or above ``1 / dataset_size`` is refused (the guarantee would not rule out leaking a whole example) unless
     ``allow_large_delta``.
     """
     install_quiet()
     spec, rank_r_start = _check_arguments(method, dataset_size, batch_size, steps, target_epsilon, noise_multiplier,
-                                          seed, secure_noise, noise_threads, rank_r_start)
+                                          seed, secure_noise, noise_threads, rank_r_start, products)
     pairs, grad_sampler = _wire_model(model, spec, adapter)
+    grad_sampler.products = products
     dp, budget = _calibrate(target_epsilon, noise_multiplier, delta, max_grad_norm, batch_size, dataset_size, steps,
                             accountant, allow_large_delta)
     world = world if world is not None else current_world()
@@ -465,7 +470,7 @@ def make_private(
 
 
 def _check_arguments(method, dataset_size, batch_size, steps, target_epsilon, noise_multiplier, seed, secure_noise,
-                     noise_threads, rank_r_start) -> tuple[MethodSpec, bool]:
+                     noise_threads, rank_r_start, products="float32") -> tuple[MethodSpec, bool]:
     """``make_private``'s arguments checked (before anything is changed or drawn); returns the method's spec and
     whether the run starts from the rank-r point."""
     if method not in METHODS:
@@ -484,6 +489,9 @@ def _check_arguments(method, dataset_size, batch_size, steps, target_epsilon, no
     if noise_threads is not None and not secure_noise:
         raise ValueError("noise_threads sets the threads of secure_noise's ChaCha20 noise (torch's own generator "
                          "draws on its device): pass secure_noise=True or leave noise_threads out")
+    if products not in PRODUCTS:
+        raise ValueError(f"products={products!r}: the per-example gradient products are computed in one of "
+                         f"{', '.join(PRODUCTS)} (inputs; float32 accumulation)")
     spec = METHODS[method]
     if rank_r_start is None:
         rank_r_start = spec.rank_r_start

@@ -93,6 +93,9 @@ class PrivacyArguments:
     noise_threads: int | None = field(default=None, metadata={"help": "secure_noise: CPU threads drawing the noise "
                                                                        "(default: torch's; torchrun sets 1 per "
                                                                        "process)"})
+    products: str = field(default="float32", metadata={"help": "precision of the per-example gradient products: "
+                                                                "float32, or tf32 / bf16 inputs with float32 "
+                                                                "accumulation"})
     disable_dp: bool = field(default=False, metadata={"help": "train the same method without clipping and noise"})
     method_kwargs: str | None = field(default=None, metadata={"help": "the method's options as a JSON/YAML mapping, "
                                                                       "e.g. '{preset: reference}'"})
@@ -272,7 +275,8 @@ class PrivacyMixin:
             noise_multiplier=None if p.disable_dp else p.noise_multiplier, delta=p.target_delta,
             max_grad_norm=p.per_sample_max_grad_norm, accountant=p.accountant,
             seed=None if p.secure_noise else self.args.seed, secure_noise=p.secure_noise,
-            noise_threads=p.noise_threads, allow_large_delta=p.allow_large_delta, **p.options())
+            noise_threads=p.noise_threads, allow_large_delta=p.allow_large_delta, products=p.products,
+            **p.options())
         self.optimizer = _StepOptimizer(self)
         self._last_report = None  # the last step's StepReport, unread until a log needs it
         self._steps = steps

@@ -160,7 +160,7 @@ def build_run(cfg: TrainConfig, *, world: World | None = None, log=print, extend
         accountant=cfg.accountant, seed=None if cfg.secure_noise else cfg.seed, init=cfg.init,
         rank_r_start=True if cfg.start == "rank-r" else None, dense_lr=cfg.head_lr, world=world,
         secure_noise=cfg.secure_noise, noise_threads=cfg.noise_threads, allow_large_delta=cfg.allow_large_delta,
-        **make_private_kwargs, **cfg.method_kwargs,
+        products=cfg.products, **make_private_kwargs, **cfg.method_kwargs,
     )
     return Run(cfg, model, tokenizer, data, private, lr, targets, exclude, device, num_labels, world, base)
 

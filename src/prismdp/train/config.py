@@ -89,6 +89,10 @@ class TrainConfig:
     noise_threads: int | None = _opt(None, "--secure-noise: CPU threads drawing the noise (default: torch's "
                                            "intra-op threads; torchrun sets 1 per process, so under torchrun give "
                                            "each process its share of the host's cores, e.g. cores / processes)")
+    products: str = _opt("float32", "precision of the per-example gradient products: float32 (default), or tf32 / "
+                                    "bf16 inputs with float32 accumulation (faster on a GPU; error against float64 "
+                                    "in docs/gpu-readiness.md; the guarantee is unchanged)",
+                         choices=("float32", "tf32", "bf16"))
     threads: int | None = _opt(None, "CPU threads of torch's operators during the run (torch.set_num_threads; "
                                      "default torch's own: OMP_NUM_THREADS, else every core; torchrun sets 1 per "
                                      "process). On a CPU shared with another busy job give each its share, e.g. "
