@@ -393,6 +393,16 @@ def fsdp_tied_across_units(rank: int, world_size: int, init_file: str, out: str)
     _close()
 
 
+def crash_once(rank: int, world_size: int, init_file: str, marker: str, how: str) -> None:
+    """Rank 1 fails once (``how``: ``abort``, a native crash, or ``error``, a Python error) and leaves ``marker``;
+    run again, every rank succeeds (tests helpers.worker_codes' retry)."""
+    if rank == 1 and not Path(marker).exists():
+        Path(marker).touch()
+        if how == "abort":
+            os.abort()
+        raise ValueError("a Python error, not a native crash")
+
+
 def main(argv: list[str]) -> None:
     """``python -c 'import dist_workers; dist_workers.main(sys.argv[1:])' fn rank world init_file args_json``: run
     ``fn(rank, world, init_file, *args)`` and leave through ``os._exit`` (0, or 1 after printing the traceback),

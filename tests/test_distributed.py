@@ -224,6 +224,20 @@ def test_a_sigterm_while_the_main_thread_is_blocked_in_a_collective_still_ends_t
         assert ("where each thread was" in res.stderr and "Thread 0x" in res.stderr) == up, res.stderr[-2000:]
 
 
+def test_worker_codes_runs_the_workers_again_after_a_native_crash_only(tmp_path):
+    """helpers.worker_codes(native_crash_retries=1), the sharded-NF4 tests' guard against a worker's heap-corruption
+    abort: a SIGABRT of one worker runs them all again (with a warning) and the second run's codes count; without
+    retries the -6 stays; a Python error (exit 1) is never run again."""
+    from helpers import worker_codes
+
+    assert worker_codes("crash_once", 2, tmp_path / "a", str(tmp_path / "a.marker"), "abort") == [0, -6]
+    with pytest.warns(UserWarning, match="died of SIGABRT"):
+        assert worker_codes("crash_once", 2, tmp_path / "b", str(tmp_path / "b.marker"), "abort",
+                            native_crash_retries=1) == [0, 0]
+    assert worker_codes("crash_once", 2, tmp_path / "c", str(tmp_path / "c.marker"), "error",
+                        native_crash_retries=1) == [0, 1]
+
+
 def test_init_from_env_sets_nccl_error_handling_and_the_timeout(monkeypatch):
     """Under NCCL: TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (abort the communicator, end the process) unless the user set
     it, and the process group's timeout from PRISMDP_DIST_TIMEOUT (default 300 s); a bad value is a one-line error."""
