@@ -227,8 +227,8 @@ def test_the_stop_agreement_of_several_processes_is_read_with_the_step_report():
         dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
         world = World()
         with HostSyncCounter() as counter:
-            report = StepReport(totals=torch.tensor([3.0, 2.0], dtype=torch.float64))
-            report.flags["stop"] = world.queue_max(1, "stop request")
+            report = StepReport(totals=torch.tensor([3.0, 2.0], dtype=torch.float64),
+                                flags={"stop": world.queue_max(1, "stop request")})
             out = report.read()
         print(counter.count, out["stop"], out["loss"], out["examples"])
         dist.destroy_process_group()

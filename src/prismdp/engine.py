@@ -470,7 +470,7 @@ def make_private(
 
 
 def _check_arguments(method, dataset_size, batch_size, steps, target_epsilon, noise_multiplier, seed, secure_noise,
-                     noise_threads, rank_r_start, products="float32") -> tuple[MethodSpec, bool]:
+                     noise_threads, rank_r_start, products) -> tuple[MethodSpec, bool]:
     """``make_private``'s arguments checked (before anything is changed or drawn); returns the method's spec and
     whether the run starts from the rank-r point."""
     if method not in METHODS:

@@ -31,11 +31,8 @@ def _waited(t: Tensor) -> Tensor:
     unaligned tcache chunk detected`` and an abort in a sharded-NF4 run under load)."""
     from torch.distributed._functional_collectives import wait_tensor
 
-    names = t.__tensor_flatten__()[0] if hasattr(t, "__tensor_flatten__") else ()
-    for name in names:
+    for name in t.__tensor_flatten__()[0] if hasattr(t, "__tensor_flatten__") else ():
         wait_tensor(getattr(t, name))
-    if not names:
-        wait_tensor(t)
     return t
 
 

@@ -61,14 +61,14 @@ def _starting(name: str) -> str:
 
 def _end(line: str, signum: int, stacks: bool = False) -> None:
     with _last_word:
-        if _said.is_set():  # the main thread has printed its last line: it is on its way out
-            os._exit(128 + signum)
-        print(line, file=sys.stderr, flush=True)
-        if stacks:  # where the run was stuck: for a report
-            import faulthandler
+        if not _said.is_set():  # (else the main thread has printed its last line and is on its way out)
+            print(line, file=sys.stderr, flush=True)
+            if stacks:  # where the run was stuck: for a report
+                import faulthandler
 
-            print("prismdp: where each thread was when the watchdog ended the process:", file=sys.stderr, flush=True)
-            faulthandler.dump_traceback(sys.stderr, all_threads=True)
+                print("prismdp: where each thread was when the watchdog ended the process:", file=sys.stderr,
+                      flush=True)
+                faulthandler.dump_traceback(sys.stderr, all_threads=True)
         os._exit(128 + signum)
 
 

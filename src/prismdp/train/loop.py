@@ -215,7 +215,8 @@ def _train_steps(run, folder: RunFolder, step: int, fingerprint: str, stop_after
                                     device, cfg.group_by_length, units=data.units)
             report = private.queue_step(totals)
             if world is not None:  # a stop request on any rank stops every rank after this step (agreed in the read)
-                report.flags["stop"] = world.queue_max(int(stop.requested), "stop request")
+                agreed = world.queue_max(int(stop.requested), "stop request")
+                report = dataclasses.replace(report, flags={"stop": agreed})
             stats = report.read()  # the step's one host read, after its update is queued
             n = stats["examples"]
             step_time = time.perf_counter() - t0  # the step (its host reads included), not the accountant or the log
