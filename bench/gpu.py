@@ -76,9 +76,9 @@ def timed_step(step: Callable[[], None], device: torch.device, now: Callable[[],
 
 def counted_step(step: Callable[[], None], device: torch.device, now: Callable[[], float] = time.perf_counter
                  ) -> tuple[float, int, int | None]:
-    """One step under the host-synchronisation counters: seconds, tensor reads to the host
-    (:class:`bench.micro.HostSyncCounter`) and, on CUDA, synchronising CUDA calls (``torch.cuda``'s sync debug
-    mode, one warning each)."""
+    """One step under the host-synchronisation counters: seconds, host synchronisations as the CPU sees them
+    (:class:`bench.micro.HostSyncCounter`: tensor reads to the host plus factorisations that read their status on
+    CUDA) and, on CUDA, synchronising CUDA calls (``torch.cuda``'s sync debug mode, one warning each)."""
     cuda = device.type == "cuda"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -91,7 +91,7 @@ def counted_step(step: Callable[[], None], device: torch.device, now: Callable[[
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
     cuda_syncs = sum("synchroniz" in str(w.message) for w in caught) if cuda else None
-    return dt, counter.count, cuda_syncs
+    return dt, counter.count + counter.status_reads, cuda_syncs
 
 
 def _free(device: torch.device) -> None:

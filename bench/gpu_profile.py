@@ -110,6 +110,7 @@ def markdown(report: dict, top: int) -> str:
              "an upper bound) and synchronising CUDA calls per step (one unprofiled step under "
              "`torch.cuda.set_sync_debug_mode`) against issue 44's targets for PRISM: at most "
              f"{HOST_GAP_TARGET_S * 1e3:.0f} ms and {CUDA_SYNCS_TARGET}. Host reads: tensor reads to the host "
+             "and factorisations that read their status on CUDA "
              "(`bench.micro.HostSyncCounter`, the CPU's proxy for the synchronising calls).", "",
              "| variant | wall (s) | GPU busy (s) | busy / wall | wall - kernels (ms) | kernels | CUDA syncs | "
              "host reads |", "|---|---:|---:|---:|---:|---:|---:|---:|"]

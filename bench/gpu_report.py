@@ -129,7 +129,8 @@ def markdown(report: dict) -> str:
               "medians at each variant's best micro-batch, with the medians of the per-round ratios at equal "
               "micro-batches beside them. Memory: the step's `torch.cuda.max_memory_allocated` above what was "
               "allocated before it (the variants share one copy of the frozen weights). Host syncs: tensor reads "
-              "to the host per logical step (`bench.micro.HostSyncCounter`; it also counts reads of tensors already "
+              "to the host per logical step plus factorisations that read their status on CUDA "
+              "(`bench.micro.HostSyncCounter`; it also counts reads of tensors already "
               "on the host, e.g. AdamW's step counts), in brackets the synchronising CUDA calls "
               "(`torch.cuda.set_sync_debug_mode`: the device's own count).", ""]
     lines += [f"Note: {n}" for n in report.get("notes", [])] + ([""] if report.get("notes") else [])

@@ -23,20 +23,29 @@ from torch.overrides import TorchFunctionMode
 
 SYNC_FUNCS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "__array__", "nonzero",
               "masked_select", "unique", "__len__"}
+#: factorisations that read their status on the host on CUDA (to raise on failure): no tensor is read in Python,
+#: but each is a device synchronisation there (the ``_ex`` variants and QR are not)
+STATUS_FUNCS = {"linalg_svd", "linalg_svdvals", "linalg_eigh", "linalg_eigvalsh", "linalg_eig", "linalg_eigvals",
+                "linalg_cholesky", "linalg_inv", "linalg_solve", "linalg_pinv", "linalg_lstsq"}
 
 
 class HostSyncCounter(TorchFunctionMode):
-    """Counts tensor operations that copy a value to the host (a device synchronisation on a GPU)."""
+    """Counts tensor operations that copy a value to the host (``count``: a device synchronisation on a GPU) and,
+    apart, factorisations that read their status on the host on CUDA (``status_reads``, :data:`STATUS_FUNCS`)."""
 
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.status_reads = 0
         self.names: Dict[str, int] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         if name in SYNC_FUNCS:
             self.count += 1
+            self.names[name] = self.names.get(name, 0) + 1
+        elif name in STATUS_FUNCS:
+            self.status_reads += 1
             self.names[name] = self.names.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
 

@@ -7,8 +7,9 @@ on any tensor).  On the CPU some tensors are read that live on the host on every
 synchronisation and are set apart by the function that makes them (:data:`HOST_SIDE`), as are the model's own reads
 (transformers' attention-mask preparation: the same for any trainer, listed, not counted).  The mechanism runs with
 ``always_mask`` (the accelerator path: its CPU-only shortcut reads the coefficients, which is free on the CPU).
-Not seen by the counter (no tensor method is called): ``torch.linalg.svd`` / ``eigh``'s own status checks, a device
-synchronisation each on CUDA (docs/gpu-readiness.md).
+Counted apart (``HostSyncCounter.status_reads``; no tensor is read in Python): ``torch.linalg.svd`` / ``eigh``'s own
+status checks, a device synchronisation each on CUDA, one per kind for all stacks of a PRISM step
+(tests/test_factorise.py, docs/gpu-readiness.md).
 """
 
 import json

@@ -164,11 +164,23 @@ def horizontal_lift(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, fr: Frame | No
     (both positive definite on the manifold).  O((m + n) r^2); batched over leading dimensions.
     """
     fr = frame(A, B) if fr is None else fr
+    MN, rhs = horizontal_lift_system(A, B, dA, dB, fr)
+    return horizontal_lift_solve(A, B, dA, dB, torch.linalg.eigh(MN), rhs)
+
+
+def horizontal_lift_system(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, fr: Frame) -> tuple[Tensor, Tensor]:
+    """:func:`horizontal_lift`'s Sylvester equation: ``(stack([M, N]), rhs)`` in float64, ``M``, ``N`` (2, .., r, r)
+    to be eigendecomposed, and the right-hand side ``dB^T B - A^T dA``."""
     RA, RB = fr.RA.double(), fr.RB.double()
-    M, N = RA.mT @ RA, RB.mT @ RB
     rhs = (dB.mT.double() @ B.double()) - (A.mT.double() @ dA.double())
-    wm, Um = torch.linalg.eigh(M)
-    wn, Vn = torch.linalg.eigh(N)
+    return torch.stack([RA.mT @ RA, RB.mT @ RB]), rhs
+
+
+def horizontal_lift_solve(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, eig: tuple[Tensor, Tensor], rhs: Tensor
+                          ) -> tuple[Tensor, Tensor]:
+    """:func:`horizontal_lift` from the eigendecomposition ``eig = (w, Q)`` of :func:`horizontal_lift_system`'s
+    ``stack([M, N])``."""
+    (wm, wn), (Um, Vn) = eig[0].unbind(0), eig[1].unbind(0)
     W = Um @ ((Um.mT @ rhs @ Vn) / (wm.unsqueeze(-1) + wn.unsqueeze(-2))) @ Vn.mT
     W = W.to(dA.dtype)
     return dA + A @ W, dB - B @ W.mT
@@ -293,21 +305,35 @@ def retract(
     ``A_new^T A_new = B_new^T B_new = diag(s)``.  Batched over leading dimensions.  ``qr``: the thin QR of the new
     directions (and of the frame if not given), :func:`thin_qr`.
     """
-    r = A.shape[-1]
     fr = frame(A, B, qr) if fr is None else fr
+    core, bases = retraction_core(fr, dA, dB, lr, qr)
+    return retraction_factors(bases, torch.linalg.svd(core))
+
+
+def retraction_core(fr: Frame, dA: Tensor, dB: Tensor, lr: float | Tensor, qr: str | None = None
+                    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """:func:`retract` up to its SVD: the (.., 2r, 2r) core and the bases ``(QA, QA2, QB, QB2)`` that
+    :func:`retraction_factors` needs."""
     QA2, CA, RA2 = _extend_basis(fr.QA, fr.RA, dA, qr)
     QB2, CB, RB2 = _extend_basis(fr.QB, fr.RB, dB, qr)
     # a Python number stays one (a scalar operand: no tensor made and copied to the device per call)
-    lr_t = lr if isinstance(lr, (int, float)) else torch.as_tensor(lr, dtype=A.dtype, device=A.device)
+    lr_t = lr if isinstance(lr, (int, float)) else torch.as_tensor(lr, dtype=dA.dtype, device=dA.device)
     # core = Ru K Rv^T with Ru = [[RA, CA], [0, RA2]], Rv = [[RB, CB], [0, RB2]] and K = [[I, -lr I], [-lr I, 0]]:
     # [[RA (RB - lr CB)^T - lr CA RB^T,  -lr RA RB2^T], [-lr RA2 RB^T,  0]]
     top = torch.cat([fr.RA @ (fr.RB - lr_t * CB).mT - lr_t * (CA @ fr.RB.mT), -lr_t * (fr.RA @ RB2.mT)], dim=-1)
     bottom = torch.cat([-lr_t * (RA2 @ fr.RB.mT), torch.zeros_like(RA2)], dim=-1)
-    Uc, S, Vch = torch.linalg.svd(torch.cat([top, bottom], dim=-2))
+    return torch.cat([top, bottom], dim=-2), (fr.QA, QA2, fr.QB, QB2)
+
+
+def retraction_factors(bases: tuple[Tensor, ...], svd: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """The balanced rank-r factors from :func:`retraction_core`'s bases and the SVD ``(Uc, S, Vch)`` of its core."""
+    QA, QA2, QB, QB2 = bases
+    Uc, S, Vch = svd
+    r = QA.shape[-1]
     root = S[..., :r].clamp_min(0.0).sqrt().unsqueeze(-2)
     Vc = Vch[..., :r, :].mT
-    A_new = (fr.QA @ Uc[..., :r, :r] + QA2 @ Uc[..., r:, :r]) * root
-    B_new = (fr.QB @ Vc[..., :r, :] + QB2 @ Vc[..., r:, :]) * root
+    A_new = (QA @ Uc[..., :r, :r] + QA2 @ Uc[..., r:, :r]) * root
+    B_new = (QB @ Vc[..., :r, :] + QB2 @ Vc[..., r:, :]) * root
     return A_new, B_new
 
 
@@ -317,11 +343,16 @@ def procrustes_align(
     """Rotate ``(A_new, B_new)`` by the orthogonal ``Q`` closest to the reference factors.
 
     ``Q = argmin ||A_new Q - A_ref||^2 + ||B_new Q - B_ref||^2`` over orthogonal Q (a gauge change:
-    Z, the projectors and the balance are unchanged).
+    Z, the projectors and the balance are unchanged): ``Q = U V^T`` from the SVD of :func:`procrustes_cross`.
     """
-    U, _, Vh = torch.linalg.svd(A_new.mT @ A_ref + B_new.mT @ B_ref)
+    U, _, Vh = torch.linalg.svd(procrustes_cross(A_new, B_new, A_ref, B_ref))
     Q = U @ Vh
     return A_new @ Q, B_new @ Q
+
+
+def procrustes_cross(A_new: Tensor, B_new: Tensor, A_ref: Tensor, B_ref: Tensor) -> Tensor:
+    """The (.., r, r) matrix whose SVD ``U S V^T`` gives :func:`procrustes_align`'s rotation ``Q = U V^T``."""
+    return A_new.mT @ A_ref + B_new.mT @ B_ref
 
 
 def balance(A: Tensor, B: Tensor, qr: str | None = None) -> tuple[Tensor, Tensor]:

@@ -42,8 +42,8 @@ from torch import Tensor
 
 from .. import geometry
 
-__all__ = ["AdaptiveOptions", "PRESETS", "FLOOR_MODES", "LIFTS", "precondition", "noise_covariances", "floors",
-           "adaptive_direction"]
+__all__ = ["AdaptiveOptions", "PRESETS", "FLOOR_MODES", "LIFTS", "precondition", "precondition_from_eig", "symmetric",
+           "noise_covariances", "floors", "adaptive_direction", "moments", "direction_from_eig"]
 
 FLOOR_MODES = ("paper", "geometry", "scalar", "none")
 LIFTS = ("none", "moments", "retraction", "both")
@@ -92,7 +92,18 @@ def precondition(V: Tensor, floor: Tensor | float, eps: float, cond_max: float, 
     """``(V (+) floor)^-1/2`` for symmetric (.., r, r) ``V``: eigenvalues clipped at 0, then ``+ floor + eps``
     (``clamp=False``, the additive floor) or ``max(w + eps, floor)`` (``clamp=True``), then raised to at least
     ``max / cond_max``.  Returns the matrix and the final eigenvalues (for diagnostics)."""
-    w, Q = torch.linalg.eigh(0.5 * (V + V.mT))
+    return precondition_from_eig(torch.linalg.eigh(symmetric(V)), floor, eps, cond_max, clamp)
+
+
+def symmetric(V: Tensor) -> Tensor:
+    """The symmetric part of ``V``, the matrix :func:`precondition` eigendecomposes."""
+    return 0.5 * (V + V.mT)
+
+
+def precondition_from_eig(eig: tuple[Tensor, Tensor], floor: Tensor | float, eps: float, cond_max: float,
+                          clamp: bool = False) -> tuple[Tensor, Tensor]:
+    """:func:`precondition` from the eigendecomposition ``(w, Q)`` of ``symmetric(V)``."""
+    w, Q = eig
     if clamp:
         # a float floor stays a scalar operand (a tensor made from it would be a host-to-device copy per call)
         w = (w.clamp_min(0.0) + eps).clamp_min(floor)
@@ -134,7 +145,20 @@ def adaptive_direction(state: dict, fr: geometry.Frame, dA: Tensor, dB: Tensor, 
     """One rank-space Adam step for a stack of modules: updates ``state`` (created on first use: ``step``, first
     moments ``mA``, ``mB`` like ``dA``, ``dB``; float64 second moments ``VA``, ``VB`` (.., r, r)) and returns the
     directions ``(U_A, U_B)`` and the preconditioners ``(P_A, w_A, P_B, w_B)``.  ``dA`` (.., m, r), ``dB`` (.., n, r)
-    is the released lift, ``tau`` its noise level (0 without noise)."""
+    is the released lift, ``tau`` its noise level (0 without noise).
+
+    In two parts around its one eigendecomposition (of both sides at once), for callers that batch it across stacks
+    (:mod:`prismdp.optim.factorise`): :func:`moments` and :func:`direction_from_eig`."""
+    V, floor = moments(state, fr, dA, dB, tau, betas, options)
+    eig = torch.linalg.eigh(V)
+    return direction_from_eig(state, eig, floor, dA.dtype, eps, betas, options)
+
+
+def moments(state: dict, fr: geometry.Frame, dA: Tensor, dB: Tensor, tau: float, betas: tuple[float, float],
+            options: AdaptiveOptions) -> tuple[Tensor, Tensor | float]:
+    """:func:`adaptive_direction` up to its eigendecomposition: updates ``state``'s moments and returns the
+    symmetric (2, .., r, r) matrix ``stack([V_A, V_B])`` (bias-corrected, debiased as ``options`` say) to be
+    eigendecomposed, and the floor."""
     beta1, beta2 = betas
     m, r = dA.shape[-2], dA.shape[-1]
     n = dB.shape[-2]
@@ -158,15 +182,21 @@ def adaptive_direction(state: dict, fr: geometry.Frame, dA: Tensor, dB: Tensor, 
         if options.debias:
             VA, VB = VA - noise_A, VB - noise_B
         floor_A, floor_B = floors(options, noise_A, noise_B, tau)
-    clamp = options.floor_mode in ("geometry", "scalar")
-    # one batched eigendecomposition for both sides (on CUDA each call is a cuSOLVER launch and a host read of its
-    # status: half of them per step)
+    # both sides in one eigendecomposition (on CUDA each call is a cuSOLVER launch and a host read of its status)
     if torch.is_tensor(floor_A) or floor_A != floor_B:
         floor = torch.stack([torch.as_tensor(f, dtype=torch.float64, device=VA.device).expand(*VA.shape[:-2], 1)
                              for f in (floor_A, floor_B)])
     else:  # one float floor for both
         floor = floor_A
-    P, w = precondition(torch.stack([VA, VB]), floor, eps, options.cond_max, clamp)
+    return symmetric(torch.stack([VA, VB])), floor
+
+
+def direction_from_eig(state: dict, eig: tuple[Tensor, Tensor], floor: Tensor | float, dtype: torch.dtype,
+                       eps: float, betas: tuple[float, float], options: AdaptiveOptions
+                       ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """:func:`adaptive_direction` from the eigendecomposition of :func:`moments`' matrix."""
+    clamp = options.floor_mode in ("geometry", "scalar")
+    P, w = precondition_from_eig(eig, floor, eps, options.cond_max, clamp)
     (PA, PB), (wA, wB) = P.unbind(0), w.unbind(0)
-    bc1 = 1 - beta1**t
-    return (state["mA"] / bc1) @ PA.to(dA.dtype), (state["mB"] / bc1) @ PB.to(dB.dtype), (PA, wA, PB, wB)
+    bc1 = 1 - betas[0] ** state["step"]
+    return (state["mA"] / bc1) @ PA.to(dtype), (state["mB"] / bc1) @ PB.to(dtype), (PA, wA, PB, wB)

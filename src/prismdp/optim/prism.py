@@ -13,7 +13,9 @@ tangent spaces (plus the dense parameters), so one accountant covers everything 
 any torch optimizer and applies the same geometry (lift, adaptive step, retraction) without clipping or noise.
 
 Modules of equal shape are processed as one *stack* (``self.stacks``: lists of pair indices): (k, m, r) factors,
-(k, b, m, r) per-example gradients, one batched factorisation per stack.
+(k, b, m, r) per-example gradients.  The stacks' updates run in lockstep, so each of the step's factorisations (the
+preconditioner's eigendecomposition, the retraction's and the alignment's SVDs, all of r x r or 2r x 2r matrices) is
+one batched call for all stacks (:mod:`prismdp.optim.factorise`): on CUDA each call reads its status on the host.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from .. import lora
 from ..lora import LoraPair, LoraSetupError, get_factors, set_factors
 from ..privacy.mechanism import GaussianMechanism, PerExample
 from .adam import KeepStateDtypes, adam_direction, check_lr_betas, working_dtype
-from .adaptive import AdaptiveOptions, adaptive_direction
+from . import factorise
+from .adaptive import AdaptiveOptions, direction_from_eig, moments
 from .hooks import StepHooks, StepRecord
 
 __all__ = ["PRISM"]
@@ -60,6 +63,12 @@ class _TangentCoordinates:
 
     def noise(self, draws: list[Tensor]) -> list[Tensor]:
         return self._map(geometry.noise_with_frame, draws)
+
+
+def _horizontal_lift(A: Tensor, B: Tensor, dA: Tensor, dB: Tensor, fr: geometry.Frame) -> factorise.Update:
+    """:func:`prismdp.geometry.horizontal_lift`, its eigendecomposition yielded (see :meth:`PRISM._update_stack`)."""
+    MN, rhs = geometry.horizontal_lift_system(A, B, dA, dB, fr)
+    return geometry.horizontal_lift_solve(A, B, dA, dB, (yield "eigh", MN), rhs)
 
 
 def _qr_norm_sq(fr: geometry.Frame, gA_t: Tensor, gB_t: Tensor) -> Tensor:
@@ -288,9 +297,9 @@ class PRISM(KeepStateDtypes, torch.optim.Optimizer):
         release = self.mechanism.release(self._coordinates())
         tau = self.mechanism.release_std  # per-dimension std of the released noise
         n = 2 * len(self.stacks)
-        precond = []
-        for i in range(len(self.stacks)):
-            precond.append(self._update_stack(i, release.values[2 * i], release.values[2 * i + 1], tau))
+        v = release.values
+        precond = factorise.run_in_lockstep([self._update_stack(i, v[2 * i], v[2 * i + 1], tau)
+                                             for i in range(len(self.stacks))])
         self._dense_step(release.values[n:])
         self.last_clip = release.clip
         if self._hooks:
@@ -298,7 +307,7 @@ class PRISM(KeepStateDtypes, torch.optim.Optimizer):
 
     def _nonprivate_step(self) -> None:
         frames = self._ensure_frames()
-        grads = []
+        grads, updates = [], []
         for pair in self.pairs:
             wa, wb = pair.params
             grads.append(None if wa.grad is None and wb.grad is None else (
@@ -313,27 +322,34 @@ class PRISM(KeepStateDtypes, torch.optim.Optimizer):
             gA, gB = self._stack_grads(idx, filled)
             inv_root = self._inv_root(idx)
             dA, dB = geometry.lift_with_frame(fr, gA * inv_root, gB * inv_root)
-            self._update_stack(i, dA, dB, 0.0)
+            updates.append(self._update_stack(i, dA, dB, 0.0))
+        factorise.run_in_lockstep(updates)
         self._dense_step([p.grad.to(self.dtype) if p.grad is not None else None for p in self.dense_params])
         if self._hooks:
             self._hooks(StepRecord(None, self.stacks))
 
-    def _update_stack(self, i: int, dA: Tensor, dB: Tensor, tau: float):
+    def _update_stack(self, i: int, dA: Tensor, dB: Tensor, tau: float) -> factorise.Update:
         """Adaptive direction from the (noisy) tangent update, then retraction and Procrustes alignment, for the
-        stacked pairs of stack ``i``.  Returns the preconditioners ``(P_A, w_A, P_B, w_B)`` (None if not adaptive)."""
+        stacked pairs of stack ``i``; returns the preconditioners ``(P_A, w_A, P_B, w_B)`` (None if not adaptive).
+        A generator that yields its factorisations, so that the step makes each one once for all stacks
+        (:func:`prismdp.optim.factorise.run_in_lockstep`)."""
         fr, (A, B) = self._frames[i], self._factors[i]
         group = self.param_groups[0]
         if self.options.lift_before("moments"):
-            dA, dB = geometry.horizontal_lift(A, B, dA, dB, fr)
+            dA, dB = yield from _horizontal_lift(A, B, dA, dB, fr)
         precond = None
         if self.adaptive:
             st = self.state[self.pairs[self.stacks[i][0]].lora_A.weight]  # the stack's state lives on its first pair
-            dA, dB, precond = adaptive_direction(st, fr, dA, dB, tau, group["betas"], group["eps"], self.options)
+            V, floor = moments(st, fr, dA, dB, tau, group["betas"], self.options)
+            eig = yield "eigh", V
+            dA, dB, precond = direction_from_eig(st, eig, floor, dA.dtype, group["eps"], group["betas"], self.options)
         if self.options.lift_before("retraction"):
-            dA, dB = geometry.horizontal_lift(A, B, dA, dB, fr)
-        A_new, B_new = geometry.retract(A, B, dA, dB, group["lr"], fr, self.qr)  # extends the step's frame
-        A_new, B_new = geometry.procrustes_align(A_new, B_new, A, B)
-        self._set_stacked_factors(self.stacks[i], A_new, B_new)
+            dA, dB = yield from _horizontal_lift(A, B, dA, dB, fr)
+        core, bases = geometry.retraction_core(fr, dA, dB, group["lr"], self.qr)  # extends the step's frame
+        A_new, B_new = geometry.retraction_factors(bases, (yield "svd", core))
+        U, _, Vh = yield "svd", geometry.procrustes_cross(A_new, B_new, A, B)
+        Q = U @ Vh
+        self._set_stacked_factors(self.stacks[i], A_new @ Q, B_new @ Q)
         return precond
 
     def _dense_step(self, grads: list[Tensor | None]) -> None:
