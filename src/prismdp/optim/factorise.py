@@ -45,13 +45,15 @@ def answer(requests: list[tuple[str, Tensor]]) -> list[tuple[Tensor, ...]]:
         groups.setdefault((name, tuple(X.shape[-2:]), X.dtype, X.device), []).append(j)
     out: list = [None] * len(requests)
     for (name, _, _, _), members in groups.items():
+        if len(members) == 1:
+            out[members[0]] = _call(name, requests[members[0]][1])
+            continue
         mats = [requests[j][1] for j in members]
-        flat = [X.reshape(-1, *X.shape[-2:]) for X in mats]
-        results = _call(name, flat[0] if len(flat) == 1 else torch.cat(flat))
-        sizes = [f.shape[0] for f in flat]
-        parts = [r.split(sizes) for r in results]
+        flat = [X if X.dim() == 3 else X.reshape(-1, *X.shape[-2:]) for X in mats]
+        results = _call(name, torch.cat(flat))
+        parts = [r.split([f.shape[0] for f in flat]) for r in results]
         for n, (j, X) in enumerate(zip(members, mats)):
-            out[j] = tuple(p[n].reshape(*X.shape[:-2], *p[n].shape[1:]) for p in parts)
+            out[j] = tuple(p[n] if X.dim() == 3 else p[n].reshape(*X.shape[:-2], *p[n].shape[1:]) for p in parts)
     return out
 
 
