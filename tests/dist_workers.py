@@ -210,15 +210,20 @@ def fsdp_trajectory(rank: int, world_size: int, init_file: str, out: str, method
         world = _init(rank, world_size, init_file) if world_size > 1 else None
         model = tiny_llama(r=2, targets=("q_proj", "v_proj", "down_proj")).double()
         full_q = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.detach().clone()
-        unwaited = None
+        unwaited = read_equal = None
         if shard:
             from torch._C._distributed_c10d import _get_work_registry_size
 
             from prismdp.sharding import full_weight
 
             shard_frozen_base(model, world, quantize="nf4" if nf4 else None)
-            full_weight(model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight)
+            q_weight = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+            gathered = full_weight(q_weight)
             unwaited = _get_work_registry_size()  # gathers still writing into the tensor full_weight returned
+            if nf4:  # the NF4 read (a synchronous gather of de-quantized rows) is the full tensor's de-quantization
+                from prismdp.base.nf4 import dequantized
+
+                read_equal = torch.equal(dequantized(q_weight), gathered.get_original_weight())
         elif nf4:
             quantize_nf4_layers(model, 2, keep={"lm_head"})
         g = torch.Generator().manual_seed(1)
@@ -244,7 +249,8 @@ def fsdp_trajectory(rank: int, world_size: int, init_file: str, out: str, method
         info = {"lockstep": private.lockstep, "sharded": is_sharded(q), "local_rows": int(local.shape[0]),
                 "full_rows": int(full_q.shape[0]), "trained_sharded": any(is_sharded(p) for p in
                                                                          model.parameters() if p.requires_grad),
-                "nf4": sum(is_nf4(p) for p in model.parameters()), "unwaited": unwaited}
+                "nf4": sum(is_nf4(p) for p in model.parameters()), "unwaited": unwaited,
+                "nf4_read_equal": read_equal}
         torch.save({"traj": traj, "info": info}, out + f".{rank}")
         _close()
     except Exception:  # noqa: BLE001
@@ -350,8 +356,11 @@ def fsdp_build(rank: int, world_size: int, init_file: str, out: str, cfg: dict) 
         sharded.shard_from_rank0 = sending
         world = _init(rank, world_size, init_file)
         run = build_run(TrainConfig(**cfg), world=world, log=lambda *a: None)
-        state = {k: full_weight(v).detach() for k, v in run.model.state_dict().items()}
-        state = {k: (v.get_original_weight() if is_nf4(v) else v).clone() for k, v in state.items()}
+        from prismdp.base.nf4 import dequantized
+
+        # NF4 read as prismdp reads it (rows de-quantized, gathered synchronously); the rest gathered whole
+        state = {k: (dequantized(v) if is_nf4(v) else full_weight(v)).detach().clone()
+                 for k, v in run.model.state_dict().items()}
         buffers = {k: v.detach().clone() for k, v in run.model.named_buffers()}
         nf4 = sorted(k for k, v in run.model.state_dict().items() if is_nf4(v))
         torch.save({"reads": reads, "state": state, "buffers": buffers, "rng": torch.get_rng_state(), "nf4": nf4,

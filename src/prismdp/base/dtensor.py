@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["is_sharded", "full_weight", "assign_weight"]
+__all__ = ["is_sharded", "full_weight", "gather_rows", "assign_weight"]
 
 
 def is_sharded(model_or_tensor: nn.Module | Tensor) -> bool:
@@ -34,6 +34,28 @@ def _waited(t: Tensor) -> Tensor:
     for name in t.__tensor_flatten__()[0] if hasattr(t, "__tensor_flatten__") else ():
         wait_tensor(getattr(t, name))
     return t
+
+
+@torch.no_grad()
+def gather_rows(local: Tensor, sharded: Tensor) -> Tensor:
+    """The whole of a tensor laid out as ``sharded`` is (FSDP2's ``Shard(0)`` over a one-dimensional mesh, equal
+    shards) from every rank's ``local`` rows (e.g. its shard de-quantized), by one synchronous c10d all-gather: no
+    functional collectives, whose gathers of a tensor subclass's inner tensors can still be in flight when they are
+    read or freed (:func:`_waited`).  A collective."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    mesh = sharded.device_mesh
+    if mesh.ndim != 1 or tuple(sharded.placements) != (Shard(0),):
+        raise ValueError(f"gather_rows: a Shard(0) tensor on a 1-D mesh, got {tuple(sharded.placements)} on a "
+                         f"{mesh.ndim}-D mesh")
+    group = mesh.get_group()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    whole = torch.cat(parts)
+    if whole.shape != sharded.shape:
+        raise ValueError(f"gather_rows: uneven shards ({tuple(whole.shape)} gathered for {tuple(sharded.shape)})")
+    return whole
 
 
 @torch.no_grad()

@@ -10,11 +10,11 @@ import torch
 from torch import Tensor, nn
 
 from ..quiet import install as install_quiet
-from .dtensor import full_weight
+from .dtensor import gather_rows, is_sharded
 from .storage import Storage, register_storage
 
 __all__ = ["is_nf4", "nf4_scaler_block_size", "to_nf4_weight", "quantize_nf4_layers", "nf4_available",
-           "TORCHAO_INSTALL"]
+           "dequantized", "TORCHAO_INSTALL"]
 
 TORCHAO_INSTALL = "pip install 'torchao>=0.18'"
 NF4_BLOCK = 64  # weights per NF4 block (QLoRA's)
@@ -96,5 +96,16 @@ def quantize_nf4_layers(module: nn.Module, world_size: int = 1, keep=()) -> tupl
     return done, left
 
 
+def dequantized(weight: Tensor) -> Tensor:
+    """The de-quantized whole of an NF4 weight.  Sharded, each rank de-quantizes its own rows (an NF4 shard is an NF4
+    tensor of those rows: blocks and scale groups never straddle shards, :func:`to_nf4_weight`) and the rows are
+    gathered by a synchronous c10d all-gather (a collective), not by ``DTensor.full_tensor()``, whose functional
+    all-gathers of the NF4's inner tensors were seen still in flight after it returned, and whose path stayed the
+    suspect of heap corruption in sharded-NF4 gloo runs after those were waited for."""
+    if is_sharded(weight):
+        return gather_rows(weight.to_local().get_original_weight(), weight)
+    return weight.get_original_weight()
+
+
 NF4 = register_storage(Storage("nf4", holds=lambda layer: is_nf4(getattr(layer, "weight", None)),
-                               read=lambda layer: full_weight(layer.weight).get_original_weight()))
+                               read=lambda layer: dequantized(layer.weight)))
