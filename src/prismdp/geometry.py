@@ -345,14 +345,19 @@ def procrustes_align(
     ``Q = argmin ||A_new Q - A_ref||^2 + ||B_new Q - B_ref||^2`` over orthogonal Q (a gauge change:
     Z, the projectors and the balance are unchanged): ``Q = U V^T`` from the SVD of :func:`procrustes_cross`.
     """
-    U, _, Vh = torch.linalg.svd(procrustes_cross(A_new, B_new, A_ref, B_ref))
-    Q = U @ Vh
-    return A_new @ Q, B_new @ Q
+    return procrustes_rotate(A_new, B_new, torch.linalg.svd(procrustes_cross(A_new, B_new, A_ref, B_ref)))
 
 
 def procrustes_cross(A_new: Tensor, B_new: Tensor, A_ref: Tensor, B_ref: Tensor) -> Tensor:
     """The (.., r, r) matrix whose SVD ``U S V^T`` gives :func:`procrustes_align`'s rotation ``Q = U V^T``."""
     return A_new.mT @ A_ref + B_new.mT @ B_ref
+
+
+def procrustes_rotate(A_new: Tensor, B_new: Tensor, svd: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """:func:`procrustes_align` from the SVD ``(U, S, Vh)`` of :func:`procrustes_cross`: ``(A_new Q, B_new Q)``."""
+    U, _, Vh = svd
+    Q = U @ Vh
+    return A_new @ Q, B_new @ Q
 
 
 def balance(A: Tensor, B: Tensor, qr: str | None = None) -> tuple[Tensor, Tensor]:

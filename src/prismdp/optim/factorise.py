@@ -22,8 +22,8 @@ from torch import Tensor
 
 __all__ = ["FACTORISATIONS", "Update", "run_in_lockstep", "answer"]
 
-#: the requests an update may yield, by name
-FACTORISATIONS = {"svd": torch.linalg.svd, "eigh": torch.linalg.eigh}
+#: the requests an update may yield: names of ``torch.linalg`` functions
+FACTORISATIONS = ("svd", "eigh")
 
 #: a per-stack update: yields ``(name, matrix)`` requests, receives their results, returns its own result
 Update = Generator[tuple[str, Tensor], Any, Any]

@@ -347,9 +347,8 @@ class PRISM(KeepStateDtypes, torch.optim.Optimizer):
             dA, dB = yield from _horizontal_lift(A, B, dA, dB, fr)
         core, bases = geometry.retraction_core(fr, dA, dB, group["lr"], self.qr)  # extends the step's frame
         A_new, B_new = geometry.retraction_factors(bases, (yield "svd", core))
-        U, _, Vh = yield "svd", geometry.procrustes_cross(A_new, B_new, A, B)
-        Q = U @ Vh
-        self._set_stacked_factors(self.stacks[i], A_new @ Q, B_new @ Q)
+        svd = yield "svd", geometry.procrustes_cross(A_new, B_new, A, B)
+        self._set_stacked_factors(self.stacks[i], *geometry.procrustes_rotate(A_new, B_new, svd))
         return precond
 
     def _dense_step(self, grads: list[Tensor | None]) -> None:
