@@ -8,7 +8,7 @@ checkpoint, the head, LoRA on the config's targets; the method's cell without pr
 the trainable dense parameters (the new head). DP-SGD clips the whole per-example gradient to norm C: where the head's
 norm is far above the LoRA factors', the head takes nearly all of C and the LoRA factors' share of the clipped signal
 is their norm over the total. Printed: per-example norms (median, mean), the head's share of the squared norm and
-the LoRA factors' norm after clipping, mean over examples. The head's gradient is the same for every method at the
+the LoRA part's norm after clipping, mean over examples. The head's gradient is the same for every method at the
 start (every method starts from the same function). The LoRA part is what the method clips:
 
 * ``dp-adamw``: the Euclidean gradient of the PEFT factors at PEFT's start (B = 0, so only B has one);
@@ -65,7 +65,7 @@ def main() -> None:
         head.append(h)
         lora.append(l)
         share2.append(h * h / (total * total))
-        clipped.append(l * min(1.0, args.clip / total))  # the LoRA factors' norm after clipping the whole to C
+        clipped.append(l * min(1.0, args.clip / total))  # the LoRA part's norm after clipping the whole to C
     lora_count = sum(p.numel() for pair in pairs for p in pair.params)
     what = "tangent-space P(G) at PRISM's rank-r start" if frames else "PEFT factors at PEFT's start"
     print(f"{args.config} {args.task} {args.method}: {len(head)} training examples; trainable: LoRA {lora_count:,}, "
