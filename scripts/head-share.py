@@ -14,8 +14,9 @@ start (every method starts from the same function). The LoRA part is what the me
 * ``dp-adamw``: the Euclidean gradient of the PEFT factors at PEFT's start (B = 0, so only B has one);
 * ``prism``: the norm of the projection ``P(G)`` of the gradient ``G`` of ``Z = A B^T`` onto the tangent space of the
   rank-r manifold at PRISM's start (the cell's own rank-r point, built by the engine), per module, summed in squares
-  over modules. Computed here from the factor gradients ``gA = G B``, ``gB = G^T A`` and a thin QR of each factor
-  (``||P(G)||^2 = ||G Q_B||^2 + ||G^T Q_A||^2 - ||Q_A^T G Q_B||^2``, the spec's formula), not by the engine's norms.
+  over modules, from the factor gradients ``gA = G B``, ``gB = G^T A`` by ``prismdp.geometry.projected_grad_norm_sq``
+  in float64 (``||G Q_B||^2 + ||G^T Q_A||^2 - ||Q_A^T G Q_B||^2``, tested against a dense projection), not through
+  the engine's per-example clipping path.
 
 A measurement, not a test.
 """
@@ -28,6 +29,7 @@ import statistics
 
 import torch
 
+from prismdp import geometry
 from prismdp.data.collate import pad_collate
 from prismdp.experiment.grid import load_experiment, parse_setting
 from prismdp.lora.pairs import find_lora_pairs, get_factors
@@ -50,7 +52,7 @@ def main() -> None:
     pairs = find_lora_pairs(model)
     factors = {id(p) for pair in pairs for p in pair.params}
     head_params = [p for p in model.parameters() if p.requires_grad and id(p) not in factors]
-    frames = [_frame(pair) for pair in pairs] if args.method == "prism" else None
+    frames = [geometry.frame(*get_factors(pair, torch.float64)) for pair in pairs] if args.method == "prism" else None
     pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
     head, lora, share2, clipped = [], [], [], []
     for feature in data.train[: args.examples]:
@@ -76,13 +78,6 @@ def main() -> None:
     print(f"  LoRA's norm after clipping to C={args.clip:g}: mean {statistics.mean(clipped):.3g}")
 
 
-def _frame(pair) -> tuple[torch.Tensor, ...]:
-    """Thin QR of the pair's factors ``A = Q_A R_A``, ``B = Q_B R_B`` (float64), at the start point."""
-    A, B = get_factors(pair, torch.float64)
-    (QA, RA), (QB, RB) = torch.linalg.qr(A), torch.linalg.qr(B)
-    return QA, RA, QB, RB
-
-
 def _lora_sq(pairs, frames) -> float:
     """The LoRA part's squared norm for this example: PEFT's factor gradients (``frames`` None) or, per module,
     ``||P(G)||_F^2`` from ``gA = G B = dL/dW_B / sqrt(s)`` and ``gB = G^T A = (dL/dW_A)^T / sqrt(s)``."""
@@ -94,10 +89,7 @@ def _lora_sq(pairs, frames) -> float:
             continue
         root = math.sqrt(pair.scaling)
         gA, gB = wb.grad.double() / root, wa.grad.double().T / root
-        QA, RA, QB, RB = frames[i]
-        X = torch.linalg.solve_triangular(RB, gA, upper=True, left=False)  # G Q_B = gA R_B^-1
-        Y = torch.linalg.solve_triangular(RA, gB, upper=True, left=False)  # G^T Q_A = gB R_A^-1
-        total += float(X.square().sum() + Y.square().sum() - (QA.T @ X).square().sum())
+        total += float(geometry.projected_grad_norm_sq(frames[i], gA, gB))
     return total
 
 
