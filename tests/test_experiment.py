@@ -548,6 +548,37 @@ def test_cost_of_privacy_is_each_methods_non_dp_mean_minus_its_private_mean(tmp_
     assert "| SST-2 | AdamW | 0.850 | 0.780 | 0.070 | – | – |" in md
 
 
+def test_combined_scores_are_split_into_accuracy_and_f1_of_the_reported_set_against_its_majority_class(tmp_path):
+    """QQP's score is (accuracy + F1) / 2: results.md shows its parts on the reported set (`test`, not the tuning
+    `val`, whose numbers differ here), the majority class's accuracy (a range where the seeds' held-out sets differ)
+    and the runs whose accuracy is strictly above it (a run exactly at the majority class learned nothing).  SST-2,
+    scored by accuracy alone, gets no row."""
+    exp = load_experiment({"name": "T", "output": str(tmp_path), "tasks": {"qqp": {}, "sst2": {}},
+                           "methods": ["prism", "dp-adamw"], "privacy": [3], "seeds": [1, 2]})
+    cells = exp.cells()
+    test = {("prism", 1): (0.632, 0.20, 0.632), ("prism", 2): (0.600, 0.40, 0.640),
+            ("dp-adamw", 1): (0.700, 0.55, 0.632), ("dp-adamw", 2): (0.650, 0.50, 0.640)}
+    for c in cells:
+        folder = Path(c.config.output)
+        folder.mkdir(parents=True)
+        if c.task_id == "qqp":
+            acc, f1, maj = test[(c.method, c.seed)]
+            ev = {"test": {"accuracy": acc, "f1": f1, "majority_baseline": maj, "score": (acc + f1) / 2},
+                  "val": {"accuracy": 0.9, "f1": 0.9, "majority_baseline": 0.5, "score": 0.9}}
+        else:
+            ev = {"validation": {"accuracy": 0.8, "majority_baseline": 0.51, "score": 0.8}}
+        (folder / "summary.json").write_text(json.dumps({"steps": 1, "privacy": {"private": True}, "eval": ev}))
+    write_results(exp, cells, tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    assert "| Task | Setting | Method | accuracy | F1 | majority class | runs above it |" in md
+    assert "| QQP | ε=3 | PRISM | 0.616 ± 0.023 | 0.300 ± 0.141 | 0.632-0.640 | 0/2 |" in md
+    assert "| QQP | ε=3 | AdamW | 0.675 ± 0.035 | 0.525 ± 0.035 | 0.632-0.640 | 2/2 |" in md
+    assert "| SST-2 | ε=3 |" not in md
+    rows = list(csv.DictReader(open(tmp_path / "results.csv")))
+    assert {r["value"] for r in rows if r["metric"] == "majority_baseline" and r["column"] == "test"} == \
+        {"0.632", "0.64"}
+
+
 def test_pooled_sign_test_counts_every_paired_seed_and_drops_ties(tmp_path):
     """The pooled table: AdamW's 12 private pairs (2 tasks x 2 epsilons x 3 seeds) = 10 PRISM wins, 1 loss, 1 tie ->
     sign test on 10 of 11: p = 2 (1 + 11) / 2^11; its 6 non-DP pairs all lost: p = 2 / 2^6.  FFA, compared on one
@@ -608,7 +639,8 @@ def _train_qqp_like(cfg, resume=False, progress=False, log=None):
     (folder / "summary.json").write_text(json.dumps({
         "steps": cfg.steps, "privacy": priv, "eval_time_s": 1.5, "train": {"peak_memory_mb": 100.0 + cfg.seed},
         "eval": {"val": {"accuracy": acc, "f1": f1, "score": (acc + f1) / 2, "n": 1000},
-                 "test": {"accuracy": dev, "f1": 0.5, "score": (dev + 0.5) / 2, "n": 2000}}}))
+                 "test": {"accuracy": dev, "f1": 0.5, "score": (dev + 0.5) / 2, "majority_baseline": 0.63,
+                          "n": 2000}}}))
     (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "step_time_s": 0.1 * cfg.seed})
                                                   + "\n" for s in range(1, cfg.steps + 1)))
 
@@ -634,6 +666,7 @@ def test_a_grid_rebuilt_from_its_results_csv_alone_gives_the_same_tables_and_tra
     run_experiment(exp, progress=False, log=lambda *a: None, train_fn=_train_qqp_like)
     md = (whole / "results.md").read_text()
     assert "| qqp | ε=3 | PRISM | 0.5875 | **0.6450** | 0.6021 | 0.5450 | 0.001 |" in md  # val (acc + F1) / 2
+    assert "| QQP | ε=3 | PRISM | 0.705 ± 0.007 | 0.500 ± 0.000 | 0.630 | 2/2 |" in md  # test, not val
     rebuilt = tmp_path / "rebuilt"
     run = run_experiment(load_experiment(_qqp_grid(rebuilt)), progress=False, log=lambda *a: None,
                          train_fn=_never_train, results_from=[str(whole / "results.csv")])

@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional
 from ..data.tasks import GLUE8_TASKS, MATH_SETS
 from ..eval.metrics import mnli_score
 
-__all__ = ["table_scores", "COLUMN_LABELS", "GROUPS", "CANONICAL"]
+__all__ = ["table_scores", "reported_eval_set", "COLUMN_LABELS", "GROUPS", "CANONICAL"]
 
 COLUMN_LABELS = {"cola": "CoLA", "sst2": "SST-2", "mrpc": "MRPC", "stsb": "STS-B", "qqp": "QQP", "mnli": "MNLI",
                  "qnli": "QNLI", "rte": "RTE", "gsm8k": "GSM8K", "aqua": "AQuA", "mawps": "MAWPS", "svamp": "SVAMP",
@@ -35,7 +35,7 @@ def table_scores(evals: Dict[str, Dict[str, Any]], task: Optional[str] = None) -
             cols[name] = float(ev["score"])
         elif name == "test" and task == "synthetic":
             cols["synthetic"] = float(ev["accuracy"])
-        elif name in ("validation", "test") and task is not None:
+        elif name == reported_eval_set(evals, task):
             cols[task] = float(ev.get("score", ev.get("accuracy")))
     pairs = (("mnli_matched", "mnli_mismatched"), ("validation_matched", "validation_mismatched"))
     for a, b in pairs:
@@ -44,3 +44,11 @@ def table_scores(evals: Dict[str, Dict[str, Any]], task: Optional[str] = None) -
         elif a in evals and a == "validation_matched" and isinstance(evals[a], dict):
             cols["mnli"] = float(evals[a].get("accuracy", evals[a].get("score")))
     return cols
+
+
+def reported_eval_set(evals: Dict[str, Dict[str, Any]], task: Optional[str]) -> Optional[str]:
+    """The eval set behind a classification run's own column (``task``): ``validation`` or ``test`` (a split held out
+    of the training data in its place), the later one where a run has both; None where there is none."""
+    names = [n for n, ev in evals.items() if n in ("validation", "test") and isinstance(ev, dict)
+             and ev.get("score", ev.get("accuracy")) is not None]
+    return names[-1] if names and task is not None else None

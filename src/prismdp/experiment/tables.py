@@ -28,6 +28,7 @@ from .budget import budget_points, render_budget, save_budget_figure
 from .columns import CANONICAL, COLUMN_LABELS, GROUPS, table_scores
 from .figure import have_matplotlib, save_paired_figure
 from .grid import Cell, Experiment, Setting
+from .parts import render_parts
 
 __all__ = ["CellResult", "Pair", "paired_differences", "read_cell", "result_rows", "write_csv", "build_table",
            "render_markdown", "render_latex", "render_pooled", "render_pooled_by", "render_privacy_cost",
@@ -37,7 +38,7 @@ __all__ = ["CellResult", "Pair", "paired_differences", "read_cell", "result_rows
 CSV_FIELDS = ["cell_id", "task_id", "task", "method", "method_label", "setting", "dp", "epsilon_target", "seed",
               "lr", "column", "metric", "value", "epsilon_spent", "delta", "noise_multiplier", "steps", "mean_step_time_s",
               "peak_memory_mb", "eval_time_s", "model"]
-_DETAIL_METRICS = ("accuracy", "f1", "mcc", "pearson", "spearman", "correct", "n", "unparsed", "parse_rate",
+_DETAIL_METRICS = ("accuracy", "f1", "majority_baseline", "mcc", "pearson", "spearman", "correct", "n", "unparsed", "parse_rate",
                    "unfinished", "total")
 
 
@@ -554,6 +555,7 @@ def write_results(exp: Experiment, cells: Sequence[Cell], out_dir: Path,
     md = render_markdown(table) + render_paired(exp, pairs) + render_pooled(exp, pairs)
     md += render_pooled_by(exp, pairs)
     md += render_privacy_cost(table)
+    md += render_parts(exp, cells, results)
     budget = budget_points(exp, cells, results)
     md += render_budget(exp, budget)
     if plan is not None:
