@@ -12,13 +12,11 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from .columns import COLUMN_LABELS
-
-if TYPE_CHECKING:
-    from .grid import Cell, Experiment
-    from .tables import CellResult
+from .grid import Cell, Experiment
+from .records import CellResult
 
 __all__ = ["BudgetPoint", "budget_points", "render_budget", "budget_figure", "save_budget_figure"]
 
@@ -34,7 +32,7 @@ class BudgetPoint:
     scores: Dict[int, float]  # seed -> the task's own score column
 
 
-def budget_points(exp: "Experiment", cells: Sequence["Cell"], results: Sequence["CellResult"]) -> List[BudgetPoint]:
+def budget_points(exp: Experiment, cells: Sequence[Cell], results: Sequence[CellResult]) -> List[BudgetPoint]:
     """Every (task, setting, method, steps) with a result, for the tasks that the grid trains at two or more step
     budgets; ordered by task (grid order), setting, method, steps."""
     by_cell = {r.cell.id: r for r in results}
@@ -67,7 +65,7 @@ def _mean_sd(values: Sequence[float]) -> str:
     return f"{mean:.3f}" if len(values) < 2 else f"{mean:.3f} ± {statistics.stdev(values):.3f}"
 
 
-def render_budget(exp: "Experiment", points: Sequence[BudgetPoint]) -> str:
+def render_budget(exp: Experiment, points: Sequence[BudgetPoint]) -> str:
     """The budget table: per task, setting and step budget, each method's mean ± sample std over seeds and, when
     the grid has ``compare``, ``compare`` minus each other method paired by seed (mean, wins)."""
     if not points:
@@ -102,7 +100,7 @@ _COLORS = ["tab:red", "tab:blue", "tab:green", "tab:purple", "tab:brown", "tab:o
 _STYLES = ["-", "--", ":", "-."]
 
 
-def budget_figure(exp: "Experiment", points: Sequence[BudgetPoint]):
+def budget_figure(exp: Experiment, points: Sequence[BudgetPoint]):
     """The matplotlib figure (Agg backend), not saved: panel ``i`` is the ``i``-th task of ``points``."""
     import matplotlib
 
@@ -139,7 +137,7 @@ def budget_figure(exp: "Experiment", points: Sequence[BudgetPoint]):
     return fig
 
 
-def save_budget_figure(exp: "Experiment", points: Sequence[BudgetPoint], path: Path) -> Path:
+def save_budget_figure(exp: Experiment, points: Sequence[BudgetPoint], path: Path) -> Path:
     from ..atomic import atomic_path
 
     fig = budget_figure(exp, points)

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 from .columns import COLUMN_LABELS
-
-if TYPE_CHECKING:  # tables imports this module
-    from .grid import Experiment
-    from .tables import Pair
+from .grid import Experiment
+from .records import Pair
 
 __all__ = ["have_matplotlib", "paired_figure", "save_paired_figure"]
 
@@ -28,13 +26,13 @@ def have_matplotlib() -> bool:
     return True
 
 
-def _rows(exp: "Experiment", pairs: Sequence["Pair"]) -> List[Tuple[str, str]]:
+def _rows(exp: Experiment, pairs: Sequence[Pair]) -> List[Tuple[str, str]]:
     """(setting key, method) of every row some panel has, settings then methods in the experiment's order."""
     present = {(p.setting.key, p.method) for p in pairs}
     return [(st.key, m) for st in exp.settings for m in exp.methods if (st.key, m) in present]
 
 
-def paired_figure(exp: "Experiment", pairs: Sequence["Pair"]):
+def paired_figure(exp: Experiment, pairs: Sequence[Pair]):
     """The matplotlib figure (Agg backend), not saved: panel ``i`` is the ``i``-th task column of ``pairs``; row
     ``j`` from the top is ``_rows(exp, pairs)[j]``."""
     import matplotlib
@@ -70,7 +68,7 @@ def paired_figure(exp: "Experiment", pairs: Sequence["Pair"]):
     return fig
 
 
-def save_paired_figure(exp: "Experiment", pairs: Sequence["Pair"], path: Path) -> Path:
+def save_paired_figure(exp: Experiment, pairs: Sequence[Pair], path: Path) -> Path:
     from ..atomic import atomic_path
 
     fig = paired_figure(exp, pairs)

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..train.config import ConfigError, TrainConfig
+from .tuning import Tune
 
 __all__ = ["Setting", "Cell", "Experiment", "load_experiment", "parse_setting", "parse_set_overrides"]
 _TOP_KEYS = {"name", "output", "base", "tasks", "methods", "privacy", "seeds", "labels", "columns", "exclude", "lrs",
@@ -127,7 +128,7 @@ class Experiment:
     overrides: Dict[str, Any] = field(default_factory=dict)
     exclude: List[str] = field(default_factory=list)
     lrs: Optional[List[float]] = None
-    tune: Optional["Tune"] = None
+    tune: Optional[Tune] = None
     compare: Optional[str] = None
     method_lrs: Dict[str, List[float]] = field(default_factory=dict)  # a method's own lr axis (its entry's `lrs`)
 
@@ -356,8 +357,6 @@ def load_experiment(source: Any, overrides: Optional[Dict[str, Any]] = None) -> 
     lrs = _parse_lrs(raw["lrs"], "lrs") if raw.get("lrs") is not None else None
     if method_lrs and lrs is None:
         raise ConfigError(f"methods: {sorted(method_lrs)} have their own lrs, but the grid has no `lrs` axis")
-    from .tuning import Tune
-
     tune = Tune.parse(raw.get("tune"), lrs) if raw.get("tune") is not None else None
     compare = raw.get("compare", "prism" if "prism" in methods else None)
     if compare is not None and compare not in methods:

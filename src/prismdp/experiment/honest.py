@@ -29,11 +29,10 @@ import dataclasses
 import functools
 import itertools
 import json
-import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import numpy as np
 

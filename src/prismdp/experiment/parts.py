@@ -11,10 +11,11 @@ that eval set, and how many runs' accuracy is above it.
 from __future__ import annotations
 
 import statistics
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from .columns import COLUMN_LABELS, reported_eval_set
 from .grid import Cell, Experiment
+from .records import CellResult
 
 __all__ = ["render_parts"]
 
@@ -24,9 +25,9 @@ def _mean_sd(values: Sequence[float]) -> str:
     return f"{mean:.3f}" if len(values) < 2 else f"{mean:.3f} ± {statistics.stdev(values):.3f}"
 
 
-def render_parts(exp: Experiment, cells: Sequence[Cell], results) -> str:
-    """The section as markdown ('' when no reported eval set has both accuracy and F1).  ``results`` are
-    :class:`prismdp.experiment.tables.CellResult` of the reported cells."""
+def render_parts(exp: Experiment, cells: Sequence[Cell], results: Sequence[CellResult]) -> str:
+    """The section as markdown ('' when no reported eval set has both accuracy and F1), from the results of the
+    reported cells."""
     by_cell = {r.cell.id: r for r in results}
     groups: Dict[Tuple[str, str, str], List[dict]] = {}
     for c in cells:

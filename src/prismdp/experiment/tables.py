@@ -15,7 +15,6 @@ keep their column, shown as ``–``, and are listed under the table.
 from __future__ import annotations
 
 import csv
-import json
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -23,12 +22,13 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..atomic import atomic_path, write_text
-from ..train.profile import WARMUP_STEPS, run_step_times
+from ..train.profile import WARMUP_STEPS
 from .budget import budget_points, render_budget, save_budget_figure
-from .columns import CANONICAL, COLUMN_LABELS, GROUPS, table_scores
+from .columns import CANONICAL, COLUMN_LABELS, GROUPS
 from .figure import have_matplotlib, save_paired_figure
 from .grid import Cell, Experiment, Setting
 from .parts import render_parts
+from .records import CellResult, Pair, read_cell
 
 __all__ = ["CellResult", "Pair", "paired_differences", "read_cell", "result_rows", "write_csv", "build_table",
            "render_markdown", "render_latex", "render_pooled", "render_pooled_by", "render_privacy_cost",
@@ -40,37 +40,6 @@ CSV_FIELDS = ["cell_id", "task_id", "task", "method", "method_label", "setting",
               "peak_memory_mb", "eval_time_s", "model"]
 _DETAIL_METRICS = ("accuracy", "f1", "majority_baseline", "mcc", "pearson", "spearman", "correct", "n", "unparsed", "parse_rate",
                    "unfinished", "total")
-
-
-@dataclass
-class CellResult:
-    cell: Cell
-    summary: Dict[str, Any]
-    config: Dict[str, Any]
-    scores: Dict[str, float]
-    mean_step_time_s: Optional[float] = None  # after the warm-up steps (prismdp.train.profile)
-    missing: Dict[str, str] = field(default_factory=dict)
-    peak_memory_mb: Optional[float] = None  # of the training steps (summary.json "train"; absent in older runs)
-
-
-def read_cell(cell: Cell, archive=None) -> Optional[CellResult]:
-    """The finished run of ``cell``: from its run folder, else from ``archive``
-    (:class:`prismdp.experiment.archive.Archive`, an earlier results.csv); None if neither has it."""
-    out = Path(cell.config.output)
-    if not (out / "summary.json").is_file():
-        kept = archive.get(cell) if archive else None
-        if kept is None:
-            return None
-        return CellResult(cell, kept.summary, kept.config(), dict(kept.scores), kept.mean_step_time_s, {},
-                          kept.summary["train"]["peak_memory_mb"])
-    summary = json.loads((out / "summary.json").read_text())
-    config = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
-    scores = summary.get("scores")
-    if scores is None:
-        scores = table_scores(summary.get("eval", {}), cell.config.task)
-    return CellResult(cell, summary, config, {k: float(v) for k, v in scores.items()},
-                      run_step_times(out / "metrics.jsonl").get("mean_step_time_s"),
-                      dict(summary.get("eval_missing", {})), (summary.get("train") or {}).get("peak_memory_mb"))
 
 
 def result_rows(exp: Experiment, results: Sequence[CellResult]) -> List[Dict[str, Any]]:
@@ -377,16 +346,6 @@ def render_tuning(exp: Experiment, plan) -> str:
         chosen = f"{g.chosen:g}" if g.chosen is not None else "…"
         lines.append(f"| {task_id} | {label} | {exp.label(method)} | " + " | ".join(vals) + f" | {chosen} |")
     return "\n".join(lines) + "\n"
-
-
-@dataclass
-class Pair:
-    """``compare`` minus ``method`` on one task column and setting, per seed both have."""
-    name: str  # the task column ("sst2", or "id:column" when a task id has several)
-    setting: Setting
-    method: str
-    seeds: List[int]
-    diffs: List[float]
 
 
 def paired_differences(exp: Experiment, cells: Sequence[Cell], results: Sequence[CellResult]) -> List[Pair]:
