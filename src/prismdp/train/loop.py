@@ -169,7 +169,7 @@ def _train(cfg: TrainConfig, resume: bool, stop_after: int | None, progress: boo
     run = build_run(cfg, world=world, log=log, extend_data=extend_data)
     if setup is not None:
         setup(run)
-    model, private, data, device = run.model, run.private, run.data, run.device
+    private, data, device = run.private, run.data, run.device
     fingerprint = data.fingerprint()
     step = 0
     if ckpt is not None:  # every check before any file is written: a refused resume changes nothing
