@@ -16,7 +16,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from .columns import COLUMN_LABELS
 from .grid import Cell, Experiment
-from .records import CellResult
+from .records import CellResult, mean_sd
 
 __all__ = ["BudgetPoint", "budget_points", "render_budget", "budget_figure", "save_budget_figure"]
 
@@ -58,13 +58,6 @@ def budget_points(exp: Experiment, cells: Sequence[Cell], results: Sequence[Cell
     return out
 
 
-def _mean_sd(values: Sequence[float]) -> str:
-    if not values:
-        return "–"
-    mean = statistics.fmean(values)
-    return f"{mean:.3f}" if len(values) < 2 else f"{mean:.3f} ± {statistics.stdev(values):.3f}"
-
-
 def render_budget(exp: Experiment, points: Sequence[BudgetPoint]) -> str:
     """The budget table: per task, setting and step budget, each method's mean ± sample std over seeds and, when
     the grid has ``compare``, ``compare`` minus each other method paired by seed (mean, wins)."""
@@ -86,7 +79,7 @@ def render_budget(exp: Experiment, points: Sequence[BudgetPoint]) -> str:
     rows = dict.fromkeys((p.task, p.setting_key, p.steps) for p in points)
     for task, skey, steps in rows:
         got = {m: keyed.get((task, skey, m, steps), {}) for m in methods}
-        cells = " | ".join(_mean_sd(list(got[m].values())) for m in methods)
+        cells = " | ".join(mean_sd(list(got[m].values())) for m in methods)
         diffs = ""
         for m in others:
             seeds = [s for s in got[ours] if s in got[m]]

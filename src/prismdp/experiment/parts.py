@@ -10,19 +10,13 @@ that eval set, and how many runs' accuracy is above it.
 
 from __future__ import annotations
 
-import statistics
 from typing import Dict, List, Sequence, Tuple
 
 from .columns import COLUMN_LABELS, reported_eval_set
 from .grid import Cell, Experiment
-from .records import CellResult
+from .records import CellResult, mean_sd
 
 __all__ = ["render_parts"]
-
-
-def _mean_sd(values: Sequence[float]) -> str:
-    mean = statistics.fmean(values)
-    return f"{mean:.3f}" if len(values) < 2 else f"{mean:.3f} ± {statistics.stdev(values):.3f}"
 
 
 def render_parts(exp: Experiment, cells: Sequence[Cell], results: Sequence[CellResult]) -> str:
@@ -58,7 +52,7 @@ def render_parts(exp: Experiment, cells: Sequence[Cell], results: Sequence[CellR
                 known = [m for m in majority if m is not None]
                 above = sum(ev["accuracy"] > m for ev, m in zip(evs, majority) if m is not None)
                 lines.append(f"| {COLUMN_LABELS.get(task_id, task_id)} | {st.label} | {exp.label(method)} | "
-                             f"{_mean_sd([ev['accuracy'] for ev in evs])} | {_mean_sd([ev['f1'] for ev in evs])} | "
+                             f"{mean_sd([ev['accuracy'] for ev in evs])} | {mean_sd([ev['f1'] for ev in evs])} | "
                              f"{_majority(known)} | " + (f"{above}/{len(known)}" if known else "–") + " |")
     return "\n".join(lines) + "\n"
 

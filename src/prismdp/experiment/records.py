@@ -1,20 +1,22 @@
 """What the experiment's tables are built from: one finished cell's results (:class:`CellResult`, read from its run
-folder or an earlier ``results.csv`` by :func:`read_cell`) and one paired comparison (:class:`Pair`).  Kept apart
-from :mod:`prismdp.experiment.tables` so that the sections it assembles (budget curves, the paired figure, the
-parts of combined scores) can name these types without importing the tables."""
+folder or an earlier ``results.csv`` by :func:`read_cell`), one paired comparison (:class:`Pair`) and the way the
+sections print seeds' values (:func:`mean_sd`).  Kept apart from :mod:`prismdp.experiment.tables` so that the
+sections it assembles (budget curves, the paired figure, the parts of combined scores) can use them without
+importing the tables."""
 
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from ..train.profile import run_step_times
 from .columns import table_scores
 from .grid import Cell, Setting
 
-__all__ = ["CellResult", "Pair", "read_cell"]
+__all__ = ["CellResult", "Pair", "mean_sd", "read_cell"]
 
 
 @dataclass
@@ -56,3 +58,12 @@ class Pair:
     method: str
     seeds: List[int]
     diffs: List[float]
+
+
+def mean_sd(values: Sequence[float]) -> str:
+    """Seeds' values as the sections print them: ``mean ± sample std`` (3 decimals), the mean alone for one value,
+    ``–`` for none."""
+    if not values:
+        return "–"
+    mean = statistics.fmean(values)
+    return f"{mean:.3f}" if len(values) < 2 else f"{mean:.3f} ± {statistics.stdev(values):.3f}"

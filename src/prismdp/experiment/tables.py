@@ -38,8 +38,8 @@ __all__ = ["CellResult", "Pair", "paired_differences", "read_cell", "result_rows
 CSV_FIELDS = ["cell_id", "task_id", "task", "method", "method_label", "setting", "dp", "epsilon_target", "seed",
               "lr", "column", "metric", "value", "epsilon_spent", "delta", "noise_multiplier", "steps", "mean_step_time_s",
               "peak_memory_mb", "eval_time_s", "model"]
-_DETAIL_METRICS = ("accuracy", "f1", "majority_baseline", "mcc", "pearson", "spearman", "correct", "n", "unparsed", "parse_rate",
-                   "unfinished", "total")
+_DETAIL_METRICS = ("accuracy", "f1", "majority_baseline", "mcc", "pearson", "spearman", "correct", "n", "unparsed",
+                   "parse_rate", "unfinished", "total")
 
 
 def result_rows(exp: Experiment, results: Sequence[CellResult]) -> List[Dict[str, Any]]:
