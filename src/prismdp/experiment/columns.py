@@ -28,6 +28,7 @@ def table_scores(evals: Dict[str, Dict[str, Any]], task: Optional[str] = None) -
     column.
     """
     cols: Dict[str, float] = {}
+    reported = reported_eval_set(evals, task)
     for name, ev in evals.items():
         if not isinstance(ev, dict) or ev.get("score", ev.get("accuracy")) is None:
             continue
@@ -35,7 +36,7 @@ def table_scores(evals: Dict[str, Dict[str, Any]], task: Optional[str] = None) -
             cols[name] = float(ev["score"])
         elif name == "test" and task == "synthetic":
             cols["synthetic"] = float(ev["accuracy"])
-        elif name == reported_eval_set(evals, task):
+        elif name == reported:
             cols[task] = float(ev.get("score", ev.get("accuracy")))
     pairs = (("mnli_matched", "mnli_mismatched"), ("validation_matched", "validation_mismatched"))
     for a, b in pairs:
